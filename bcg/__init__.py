@@ -1,0 +1,48 @@
+"""bcg: breakable CUDA graphs for almost-capturable PyTorch code.
+
+Wrap a forward pass in :class:`capture`; each :func:`breakpoint` call ends a
+CUDA graph segment, runs eagerly, and begins the next; :meth:`BreakableGraph.replay`
+runs segment, breakpoint, segment, ... in stream order, with per-replay host
+metadata available to breakpoints through :func:`live`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bcg.breakpoint import breakpoint, graph_break
+from bcg.capture import capture
+from bcg.errors import (
+    BcgError,
+    BreakpointOutputMismatch,
+    CaptureError,
+    HostSyncInCaptureError,
+    NestedCaptureError,
+    ReplayError,
+)
+from bcg.graph import BreakableGraph, GraphStats
+from bcg.live import live, live_scope
+from bcg.make_graph import make_graph
+from bcg.memory import graph_pool_handle
+
+__version__ = "0.1.0"
+
+logging.getLogger("bcg").addHandler(logging.NullHandler())
+
+__all__ = [
+    "BcgError",
+    "BreakableGraph",
+    "BreakpointOutputMismatch",
+    "CaptureError",
+    "GraphStats",
+    "HostSyncInCaptureError",
+    "NestedCaptureError",
+    "ReplayError",
+    "breakpoint",
+    "capture",
+    "graph_break",
+    "graph_pool_handle",
+    "live",
+    "live_scope",
+    "make_graph",
+]

@@ -1,0 +1,285 @@
+"""``bcg.capture``: record a forward pass as segments split at breakpoints.
+
+Each segment is a ``torch.cuda.CUDAGraph`` captured with ``capture_begin`` /
+``capture_end`` on one capture stream into one private memory pool, so torch's
+caching allocator and RNG bookkeeping stay in charge. Right after a segment is
+captured it is instantiated, uploaded and replayed once, so the breakpoint that
+follows runs on real data and the capture itself computes a correct forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+import warnings
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bcg import cudart
+from bcg.breakpoint_spec import BreakpointSpec
+from bcg.bridge import BridgeSet, tensor_storages
+from bcg.errors import CaptureError, HostSyncInCaptureError, NestedCaptureError
+from bcg.live import _UNSET, reset_live, set_live
+from bcg.memory import PoolHandle, graph_pool_handle
+from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.recorder import ACTIVE
+
+if TYPE_CHECKING:
+    from bcg.graph import BreakableGraph
+
+log = logging.getLogger("bcg")
+
+_CAPTURE_MODES = ("global", "thread_local", "relaxed")
+_HOST_SYNC_HINTS = ("capturing", "capture", "cudaErrorStreamCapture", "not permitted")
+
+
+class CaptureSession:
+    """The state of one capture in progress (the active recorder while it runs)."""
+
+    def __init__(
+        self,
+        pool: PoolHandle,
+        stream: torch.cuda.Stream,
+        capture_error_mode: str,
+        device: int,
+    ) -> None:
+        self.pool = pool
+        self.stream = stream
+        self.stream_handle = int(stream.cuda_stream)
+        self.capture_error_mode = capture_error_mode
+        self.device = device
+        self.plan: list[Step] = []
+        self._current: torch.cuda.CUDAGraph | None = None
+        self._segment_index = 0
+        self._breakpoint_index = 0
+        self._generator = torch.cuda.default_generators[device]
+
+    # -- segments ---------------------------------------------------------------
+    def open_segment(self) -> None:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        self._current = graph
+
+    def close_segment(self) -> None:
+        """End the open segment; keep it (instantiated, uploaded, run once) unless empty."""
+        graph = self._current
+        assert graph is not None
+        joined = cudart.join_forked_work(self.stream_handle)
+        if joined:
+            log.debug("segment %d: joined %d node(s) forked to side streams", self._segment_index, joined)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            graph.capture_end()
+        self._current = None
+        handle = int(graph.raw_cuda_graph())
+        counts = cudart.node_type_counts(handle)
+        nodes = sum(counts.values())
+        if nodes == 0:
+            graph.reset()  # consecutive breakpoints: no empty launch
+            return
+        graph.instantiate()
+        cudart.upload(int(graph.raw_cuda_graph_exec()), self.stream_handle)
+        offset = self._generator.get_offset()
+        graph.replay()  # the capture run: the breakpoint after it reads real data
+        step = SegmentStep(
+            index=self._segment_index,
+            cuda_graph=graph,
+            nodes=nodes,
+            kernel_nodes=counts["kernel"],
+            uses_rng=self._generator.get_offset() != offset,
+        )
+        self._segment_index += 1
+        self.plan.append(step)
+        log.debug("segment %d: %d nodes (%d kernels)", step.index, nodes, step.kernel_nodes)
+
+    # -- Recorder -----------------------------------------------------------------
+    def call_breakpoint(
+        self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if not spec.is_enabled():
+            return spec.fn(*args, **kwargs)
+        self.close_segment()
+        fn = spec.capture_stub or spec.fn
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            exc.add_note(f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
+            raise
+        bridges = BridgeSet(spec.name, result, tensor_storages(args, kwargs))
+        self.plan.append(
+            BreakpointStep(spec=spec, args=args, kwargs=dict(kwargs), bridges=bridges, index=self._breakpoint_index)
+        )
+        self._breakpoint_index += 1
+        log.debug("breakpoint %r after segment %d", spec.name, self._segment_index - 1)
+        self.open_segment()
+        return bridges.caller_result()
+
+    def graph_break(self) -> None:
+        self.close_segment()
+        self.open_segment()
+
+    # -- failure ------------------------------------------------------------------
+    def abort(self) -> None:
+        """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
+        graph, self._current = self._current, None
+        if graph is not None:
+            try:
+                with torch.cuda.stream(self.stream):
+                    graph.capture_end()
+            except Exception:
+                # The capture was invalidated: torch raised before releasing its
+                # allocator routing. End it ourselves and undo what capture_begin did.
+                cudart.end_capture(self.stream_handle)
+                torch._C._cuda_endAllocateToPool(self.device, self.pool)
+                torch._C._cuda_releasePool(self.device, self.pool)
+            graph.reset()
+        for step in self.plan:
+            step.release()
+        self.plan.clear()
+
+
+class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
+    """Capture the CUDA work of a ``with`` block into a :class:`bcg.BreakableGraph`.
+
+    ``pool`` shares a private memory pool with other graphs (``graph.pool()`` or
+    :func:`bcg.graph_pool_handle`); ``stream`` and ``capture_error_mode`` work as
+    in ``torch.cuda.graph``; ``live`` is what :func:`bcg.live` returns during
+    capture. Constraints: warm the code up eagerly first (lazy init must not
+    happen inside a segment); code between breakpoints must be capturable (no
+    ``.item()``, no pageable host copies, no data-dependent host control flow);
+    graphs sharing a pool must not replay concurrently, and a graph's outputs are
+    only valid until another graph in the same pool replays.
+    """
+
+    def __init__(
+        self,
+        graph: BreakableGraph,
+        *,
+        pool: PoolHandle | None = None,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str = "global",
+        live: Any = _UNSET,
+    ) -> None:
+        if capture_error_mode not in _CAPTURE_MODES:
+            raise ValueError(f"capture_error_mode must be one of {_CAPTURE_MODES}, not {capture_error_mode!r}")
+        self.graph = graph
+        self._pool = pool
+        self._stream = stream
+        self._mode = capture_error_mode
+        self._live = live
+        self._session: CaptureSession | None = None
+
+    def __enter__(self) -> BreakableGraph:
+        if not torch.cuda.is_available():
+            raise CaptureError(
+                "bcg.capture needs a CUDA GPU and a CUDA build of torch; none is available. "
+                "To run the same code with the same breakpoint structure eagerly, use "
+                "bcg.make_graph(fn, *args, mode='eager')"
+            )
+        if ACTIVE.get() is not None or torch.cuda.is_current_stream_capturing():
+            raise NestedCaptureError(
+                "bcg.capture was entered while another capture is underway; captures cannot "
+                "nest: finish (exit) the outer capture first"
+            )
+        if self.graph.is_captured:
+            raise CaptureError("this BreakableGraph already holds a capture: call graph.reset() first")
+        cudart.runtime()  # fail early and clearly if cuda-python is missing
+        device = torch.cuda.current_device()
+        pool = self._pool if self._pool is not None else graph_pool_handle()
+        stream = self._stream if self._stream is not None else torch.cuda.Stream(device)
+        if stream == torch.cuda.default_stream(device):
+            raise CaptureError("bcg.capture cannot capture on the default stream: pass a torch.cuda.Stream()")
+        torch.cuda.synchronize(device)
+        self._ambient = torch.cuda.current_stream(device)
+        stream.wait_stream(self._ambient)
+        self._session = CaptureSession(pool, stream, self._mode, device)
+        self._stream_ctx = torch.cuda.stream(stream)
+        self._stream_ctx.__enter__()
+        self._active_token = ACTIVE.set(self._session)
+        self._live_token = set_live(self._live) if self._live is not _UNSET else None
+        self._t0 = time.perf_counter()
+        try:
+            self._session.open_segment()
+        except BaseException:
+            self._restore()
+            self._session.abort()
+            raise
+        return self.graph
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        session = self._session
+        assert session is not None
+        self._session = None
+        if exc is None:
+            try:
+                session.close_segment()
+            except BaseException as close_exc:
+                self._fail(session, close_exc)
+                raise self._translate(close_exc, session) from close_exc
+            capture_s = time.perf_counter() - self._t0
+            self._restore()
+            self._ambient.wait_stream(session.stream)
+            self.graph._install(session.plan, pool=session.pool, device=session.device, capture_s=capture_s)
+            log.info(
+                "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
+                self.graph.num_segments, self.graph.num_breakpoints, capture_s,
+            )
+            return False
+        self._fail(session, exc)
+        translated = self._translate(exc, session)
+        if translated is exc:
+            return False
+        raise translated from exc
+
+    def _restore(self) -> None:
+        if self._live_token is not None:
+            reset_live(self._live_token)
+        ACTIVE.reset(self._active_token)
+        self._stream_ctx.__exit__(None, None, None)
+
+    def _fail(self, session: CaptureSession, exc: BaseException) -> None:
+        status = cudart.capture_status(session.stream_handle)
+        self._host_sync = status == "invalidated" or (
+            session._current is not None and any(h in str(exc) for h in _HOST_SYNC_HINTS)
+        )
+        self._segment = session._segment_index
+        try:
+            session.abort()
+        finally:
+            self._restore()
+            try:
+                torch.cuda.synchronize(session.device)
+            except RuntimeError:  # a sticky device error: the original exception says more
+                log.exception("bcg: device synchronize after an abandoned capture failed")
+
+    def _translate(self, exc: BaseException, session: CaptureSession) -> BaseException:
+        if not self._host_sync:
+            return exc
+        where = _user_frame(exc.__traceback__)
+        return HostSyncInCaptureError(
+            f"an operation that needs the host ran inside graph segment {self._segment}"
+            f"{' at ' + where if where else ''}: {exc}\n"
+            "Segments may only enqueue GPU work. Move host-synchronizing code (.item(), "
+            ".tolist(), .cpu(), printing a tensor, copies from pageable host memory, "
+            "data-dependent control flow) into a @bcg.breakpoint function, or read the "
+            "value from bcg.live(). The capture was abandoned; CUDA state is clean."
+        )
+
+
+def _user_frame(tb: TracebackType | None) -> str:
+    """``file:line: code`` of the innermost frame outside torch and bcg, if any."""
+    import os
+
+    import bcg
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(bcg.__file__))
+    found = ""
+    for frame in traceback.extract_tb(tb):
+        if not frame.filename.startswith(skip):
+            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return found

@@ -1,0 +1,160 @@
+"""Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime``).
+
+Only what the capture machinery needs: capture status, joining forked work,
+node counts, uploads and DOT dumps. Handles are plain ``int`` values (what
+``torch.cuda.Stream.cuda_stream`` and ``CUDAGraph.raw_cuda_graph()`` return).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+from bcg.errors import CaptureError
+
+
+@functools.cache
+def runtime() -> ModuleType:
+    """The ``cuda.bindings.runtime`` module; a clear error if cuda-python is missing."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise CaptureError(
+            "bcg needs cuda-python for graph capture: pip install 'cuda-bindings' "
+            "(or install bcg with the [cuda] extra)"
+        ) from exc
+    return rt
+
+
+def check(result: Any) -> Any:
+    """Raise on a non-success ``cudaError_t``; return the remaining outputs."""
+    rt = runtime()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != rt.cudaError_t.cudaSuccess:
+        _, name = rt.cudaGetErrorName(err)
+        _, text = rt.cudaGetErrorString(err)
+        raise RuntimeError(f"{name.decode()}: {text.decode()}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def capture_info(stream: int) -> tuple[str, int, int, list[Any]]:
+    """``(status, capture id, graph handle, dependency nodes)`` of a stream."""
+    rt = runtime()
+    out = check(rt.cudaStreamGetCaptureInfo(stream))
+    status, cid, graph, deps = out[0], out[1], out[2], out[3]
+    name = {
+        rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone: "none",
+        rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive: "active",
+        rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated: "invalidated",
+    }[status]
+    return name, int(cid), int(graph) if graph is not None else 0, list(deps or [])
+
+
+def capture_status(stream: int) -> str:
+    """``"none"``, ``"active"`` or ``"invalidated"``."""
+    rt = runtime()
+    status = check(rt.cudaStreamIsCapturing(stream))
+    if status == rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone:
+        return "none"
+    if status == rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive:
+        return "active"
+    return "invalidated"
+
+
+def graph_nodes(graph: int) -> list[Any]:
+    rt = runtime()
+    _, n = check(rt.cudaGraphGetNodes(graph, 0))
+    if n == 0:
+        return []
+    nodes, _ = check(rt.cudaGraphGetNodes(graph, n))
+    return list(nodes)[:n]
+
+
+def _edge_sources(graph: int) -> set[int]:
+    rt = runtime()
+    out = check(rt.cudaGraphGetEdges(graph, 0))
+    n = out[-1]
+    if n == 0:
+        return set()
+    out = check(rt.cudaGraphGetEdges(graph, n))
+    return {int(x) for x in list(out[0])[:n]}
+
+
+def join_forked_work(stream: int) -> int:
+    """Make the capturing ``stream`` depend on every leaf of its capture graph.
+
+    Work forked to side streams and never joined back would make
+    ``cudaStreamEndCapture`` fail with ``cudaErrorStreamCaptureUnjoined``; adding
+    those leaves to the origin stream's dependency set joins them (and orders
+    them before whatever the stream does next). Returns how many were joined.
+    """
+    rt = runtime()
+    status, _, graph, deps = capture_info(stream)
+    if status != "active" or not graph:
+        return 0
+    nodes = graph_nodes(graph)
+    if not nodes:
+        return 0
+    sources = _edge_sources(graph)
+    current = {int(d) for d in deps}
+    missing = [n for n in nodes if int(n) not in sources and int(n) not in current]
+    if not missing:
+        return 0
+    flag = rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamAddCaptureDependencies
+    try:  # CUDA 13 bindings: (stream, nodes, edge data, count, flags)
+        check(rt.cudaStreamUpdateCaptureDependencies(stream, missing, None, len(missing), flag))
+    except TypeError:  # CUDA 12 bindings: (stream, nodes, count, flags)
+        check(rt.cudaStreamUpdateCaptureDependencies(stream, missing, len(missing), flag))
+    return len(missing)
+
+
+def capture_node_count(stream: int) -> int:
+    """Nodes recorded so far by the capture active on ``stream``."""
+    status, _, graph, _ = capture_info(stream)
+    if status != "active" or not graph:
+        return 0
+    return len(graph_nodes(graph))
+
+
+def node_type_counts(graph: int) -> Counter[str]:
+    """How many nodes of each type (``"kernel"``, ``"memcpy"``, ...) ``graph`` holds."""
+    rt = runtime()
+    names = {
+        rt.cudaGraphNodeType.cudaGraphNodeTypeKernel: "kernel",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy: "memcpy",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeMemset: "memset",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeHost: "host",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeGraph: "child_graph",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeEmpty: "empty",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeWaitEvent: "wait_event",
+        rt.cudaGraphNodeType.cudaGraphNodeTypeEventRecord: "event_record",
+    }
+    counts: Counter[str] = Counter()
+    for node in graph_nodes(graph):
+        counts[names.get(check(rt.cudaGraphNodeGetType(node)), "other")] += 1
+    return counts
+
+
+def end_capture(stream: int) -> None:
+    """End (and discard) whatever capture is still open on ``stream``, if any."""
+    rt = runtime()
+    if capture_status(stream) == "none":
+        return
+    err, graph = rt.cudaStreamEndCapture(stream)
+    if err == rt.cudaError_t.cudaSuccess and graph is not None and int(graph):
+        rt.cudaGraphDestroy(graph)
+
+
+def upload(graph_exec: int, stream: int) -> None:
+    """Upload an executable graph so its first launch costs what later ones do."""
+    check(runtime().cudaGraphUpload(graph_exec, stream))
+
+
+def dot_print(graph: int, path: str) -> None:
+    """Write ``graph`` as a DOT file (``cudaGraphDebugDotPrint``, verbose)."""
+    rt = runtime()
+    check(rt.cudaGraphDebugDotPrint(graph, path.encode(), rt.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose))

@@ -1,0 +1,197 @@
+"""``bcg.BreakableGraph``: a captured plan of segments and breakpoints, and its replay."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg.errors import ReplayError
+from bcg.live import _UNSET, reset_live, set_live
+from bcg.memory import PoolHandle, pool_bytes
+from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.replay import PythonExecutor, make_executor
+
+log = logging.getLogger("bcg")
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """What a capture produced.
+
+    ``kernel_nodes`` counts kernel nodes per segment read from each CUDA graph
+    (graph mode); ``aten_ops`` counts ATen operations per segment (eager mode).
+    ``pool_bytes`` is what the private pool holds (shared pools: the whole pool).
+    """
+
+    mode: str
+    segments: int
+    breakpoints: int
+    kernel_nodes: tuple[int, ...] | None
+    aten_ops: tuple[int, ...] | None
+    pool_bytes: int
+    bridge_bytes: int
+    capture_s: float
+
+
+class BreakableGraph:
+    """Segments of CUDA graphs with eager breakpoints between them.
+
+    Fill it with ``with bcg.capture(graph): ...`` or build it with
+    :func:`bcg.make_graph`, then call :meth:`replay`. Replays run on the current
+    stream and must be issued on the device the graph was captured on.
+    """
+
+    def __init__(self) -> None:
+        self._plan: tuple[Step, ...] = ()
+        self._executor: PythonExecutor | None = None
+        self._mode = "graph"
+        self._pool: PoolHandle | None = None
+        self._device: int | None = None
+        self._capture_s = 0.0
+        self._was_reset = False
+        self._rerun: Callable[[], None] | None = None
+        self.outputs: Any = None
+
+    # -- filled by capture / make_graph ----------------------------------------------
+    def _install(
+        self,
+        plan: Sequence[Step],
+        *,
+        pool: PoolHandle | None,
+        device: int | None,
+        capture_s: float,
+        mode: str = "graph",
+        rerun: Callable[[], None] | None = None,
+    ) -> None:
+        self._plan = tuple(plan)
+        self._mode = mode
+        self._pool = pool
+        self._device = device
+        self._capture_s = capture_s
+        self._rerun = rerun
+        self._was_reset = False
+        self._executor = make_executor(self._plan) if mode == "graph" else None
+
+    # -- inspection ---------------------------------------------------------------------
+    @property
+    def is_captured(self) -> bool:
+        return self._executor is not None or self._rerun is not None
+
+    @property
+    def mode(self) -> str:
+        """``"graph"`` (CUDA graph segments) or ``"eager"`` (re-runs the function)."""
+        return self._mode
+
+    @property
+    def plan(self) -> tuple[Step, ...]:
+        """The replay plan: segment and breakpoint steps in stream order."""
+        return self._plan
+
+    @property
+    def segments(self) -> list[SegmentStep]:
+        return [s for s in self._plan if isinstance(s, SegmentStep)]
+
+    @property
+    def breakpoints(self) -> list[BreakpointStep]:
+        return [s for s in self._plan if isinstance(s, BreakpointStep)]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    @property
+    def num_breakpoints(self) -> int:
+        return len(self.breakpoints)
+
+    @property
+    def device(self) -> int | None:
+        return self._device
+
+    def pool(self) -> PoolHandle:
+        """The private memory pool token; pass it as ``pool=`` to share it with another graph."""
+        if self._pool is None:
+            raise ReplayError("this graph has no memory pool: capture it first")
+        return self._pool
+
+    def stats(self) -> GraphStats:
+        """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds."""
+        segments = self.segments
+        graph_mode = self._mode == "graph"
+        return GraphStats(
+            mode=self._mode,
+            segments=len(segments),
+            breakpoints=self.num_breakpoints,
+            kernel_nodes=tuple(s.kernel_nodes or 0 for s in segments) if graph_mode else None,
+            aten_ops=None if graph_mode else tuple(s.nodes for s in segments),
+            pool_bytes=pool_bytes(self._pool, self._device) if graph_mode else 0,
+            bridge_bytes=sum(b.bridges.nbytes for b in self.breakpoints if b.bridges is not None),
+            capture_s=self._capture_s,
+        )
+
+    # -- replay -------------------------------------------------------------------------
+    def replay(self, live: Any = _UNSET) -> Any:
+        """Run segment, breakpoint, segment, ... on the current stream.
+
+        ``live`` is what :func:`bcg.live` returns inside breakpoints during this
+        replay. Returns ``outputs`` (set by :func:`bcg.make_graph`; ``None`` for
+        the context-manager form, whose outputs are the tensors the captured
+        code returned). A breakpoint that raises stops the replay; the graph
+        stays replayable.
+        """
+        executor = self._executor
+        if executor is None:
+            if self._rerun is None:
+                raise ReplayError(self._not_captured_message())
+        elif torch.cuda.current_device() != self._device:
+            raise ReplayError(
+                f"this graph was captured on cuda:{self._device} but the current device is "
+                f"cuda:{torch.cuda.current_device()}: replay it under torch.cuda.device({self._device})"
+            )
+        token = set_live(live) if live is not _UNSET else None
+        try:
+            if executor is not None:
+                executor.run()
+            else:
+                assert self._rerun is not None
+                self._rerun()
+        finally:
+            if token is not None:
+                reset_live(token)
+        return self.outputs
+
+    def _not_captured_message(self) -> str:
+        if self._was_reset:
+            return "this graph was reset: capture it again before replaying"
+        return "this graph holds no capture yet: fill it with bcg.capture(graph) or bcg.make_graph()"
+
+    # -- release -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Free segments, bridges, held arguments and the graph's share of its pool.
+
+        Tensors the captured code returned (``outputs``) stay valid only as long
+        as you hold them; their pool memory is returned when you drop them.
+        """
+        graph_mode = self._mode == "graph" and self._executor is not None
+        if graph_mode and torch.cuda.is_available():
+            torch.cuda.synchronize(self._device)  # no replay may still be reading what we free
+        for step in self._plan:
+            step.release()
+        self._plan = ()
+        self._executor = None
+        self._rerun = None
+        self.outputs = None
+        self._was_reset = True
+        if graph_mode and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # return the pool's now-free blocks to the driver
+        log.debug("bcg: graph reset")
+
+    def __repr__(self) -> str:
+        state = "captured" if self.is_captured else ("reset" if self._was_reset else "empty")
+        return (
+            f"BreakableGraph({state}, mode={self._mode}, segments={self.num_segments}, "
+            f"breakpoints={self.num_breakpoints})"
+        )

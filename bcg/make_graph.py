@@ -1,0 +1,81 @@
+"""``bcg.make_graph``: the callable form, which knows how to re-run what it captured."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bcg.capture import capture
+from bcg.eager import EagerRecorder, copy_outputs_into
+from bcg.graph import BreakableGraph
+from bcg.live import _UNSET, live_scope
+from bcg.memory import PoolHandle
+from bcg.recorder import ACTIVE
+
+_MODES = ("graph", "eager")
+
+
+def make_graph(
+    fn: Callable[..., Any],
+    *static_args: Any,
+    mode: str = "graph",
+    live: Any = _UNSET,
+    pool: PoolHandle | None = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+    warmup: int = 1,
+) -> BreakableGraph:
+    """Capture ``fn(*static_args)`` and return the graph; its result is ``graph.outputs``.
+
+    ``mode="graph"`` warms ``fn`` up ``warmup`` times eagerly on the capture
+    stream, then captures it. ``mode="eager"`` runs ``fn`` eagerly, records the
+    same segment/breakpoint structure, and makes ``replay()`` re-run ``fn`` on
+    the static arguments and copy the result into ``graph.outputs`` (for
+    debugging and machines with no CUDA). Without CUDA, ``mode="graph"`` falls
+    back to eager mode with a warning. Constraints: feed new inputs by writing
+    into ``static_args`` in place; ``fn`` must return the same structure every run.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
+    if mode == "graph" and not torch.cuda.is_available():
+        warnings.warn(
+            "bcg.make_graph: CUDA is not available, falling back to mode='eager' "
+            "(same code and breakpoint structure, no CUDA graphs)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        mode = "eager"
+    graph = BreakableGraph()
+    live_ctx = live_scope(live) if live is not _UNSET else contextlib.nullcontext()
+    if mode == "eager":
+        t0 = time.perf_counter()
+        recorder = EagerRecorder()
+        token = ACTIVE.set(recorder)
+        try:
+            with live_ctx, recorder:
+                outputs = fn(*static_args)
+        finally:
+            ACTIVE.reset(token)
+
+        def rerun() -> None:
+            copy_outputs_into(graph.outputs, fn(*static_args))
+
+        graph._install(recorder.plan, pool=None, device=None, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun)
+        graph.outputs = outputs
+        return graph
+
+    stream = stream if stream is not None else torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), live_ctx:
+        for _ in range(warmup):
+            fn(*static_args)
+    with capture(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode, live=live):
+        outputs = fn(*static_args)
+    graph.outputs = outputs
+    return graph
+

@@ -1,0 +1,96 @@
+"""The replay plan: an explicit list of steps, segment, breakpoint, segment, ...
+
+Each step exposes ``launch``, a zero-argument callable that performs it on the
+current stream. The plan holds strong references to everything a replay
+touches (segment graphs, breakpoint arguments, bridges), so no address it
+recorded can be handed to anybody else while the graph lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from bcg.breakpoint_spec import BreakpointSpec
+from bcg.bridge import BridgeSet
+
+
+@dataclass(eq=False)
+class SegmentStep:
+    """One captured CUDA graph segment."""
+
+    index: int
+    cuda_graph: torch.cuda.CUDAGraph | None
+    nodes: int
+    kernel_nodes: int | None
+    uses_rng: bool = False
+
+    @property
+    def launch(self) -> Callable[[], None]:
+        assert self.cuda_graph is not None
+        return self.cuda_graph.replay
+
+    @property
+    def graph_handle(self) -> int:
+        """The segment's ``cudaGraph_t`` (kept for inspection and stitching)."""
+        assert self.cuda_graph is not None
+        return int(self.cuda_graph.raw_cuda_graph())
+
+    @property
+    def exec_handle(self) -> int:
+        """The segment's instantiated ``cudaGraphExec_t``."""
+        assert self.cuda_graph is not None
+        return int(self.cuda_graph.raw_cuda_graph_exec())
+
+    def release(self) -> None:
+        if self.cuda_graph is not None:
+            self.cuda_graph.reset()
+            self.cuda_graph = None
+
+
+@dataclass(eq=False)
+class BreakpointStep:
+    """One eager breakpoint call with its captured arguments and its bridges."""
+
+    spec: BreakpointSpec
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    bridges: BridgeSet | None = None
+    index: int = 0
+    _run: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def launch(self) -> Callable[[], None]:
+        if self._run is None:
+            self._run = _make_runner(self)
+        return self._run
+
+    def release(self) -> None:
+        self.args, self.kwargs, self.bridges, self._run = (), {}, None, None
+
+
+def _make_runner(step: BreakpointStep) -> Callable[[], None]:
+    fn, args, kwargs, bridges = step.spec.fn, step.args, step.kwargs, step.bridges
+    if bridges is None or bridges.empty:
+        if kwargs:
+            return lambda: _expect_none(step, fn(*args, **kwargs))
+        return lambda: _expect_none(step, fn(*args))
+    refresh = bridges.refresh
+    if kwargs:
+        return lambda: refresh(fn(*args, **kwargs))
+    return lambda: refresh(fn(*args))
+
+
+def _expect_none(step: BreakpointStep, result: Any) -> None:
+    if result is not None and step.bridges is not None:
+        step.bridges.refresh(result)  # raises the structure mismatch
+
+
+Step = Union[SegmentStep, BreakpointStep]
