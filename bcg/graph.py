@@ -76,6 +76,17 @@ class BreakableGraph:
         self._was_reset = False
         self._executor = make_executor(self._plan) if mode == "graph" else None
 
+    def use_executor(self, name: str | None) -> None:
+        """Replay with ``"python"`` or ``"native"`` (``None``: the best available, as by default)."""
+        if self._mode != "graph" or not self._plan and self._executor is None:
+            raise ReplayError("use_executor applies to a captured graph in graph mode")
+        self._executor = make_executor(self._plan, name)
+
+    @property
+    def executor(self) -> str:
+        """Which executor replays this graph (``"python"`` or ``"native"``)."""
+        return self._executor.name if self._executor is not None else "none"
+
     # -- inspection ---------------------------------------------------------------------
     @property
     def is_captured(self) -> bool:

@@ -36,6 +36,8 @@ class PythonExecutor:
             raise
 
 
-def make_executor(plan: Sequence[Step]) -> PythonExecutor:
-    """The executor for ``plan``."""
+def make_executor(plan: Sequence[Step], name: str | None = None) -> PythonExecutor:
+    """The executor for ``plan``: ``name`` is ``"python"``, ``"native"`` or ``None`` (best available)."""
+    if name not in (None, "python"):
+        raise ValueError(f"unknown executor {name!r}: the native executor is not built in this install")
     return PythonExecutor(plan)
