@@ -78,7 +78,7 @@ class BreakableGraph:
 
     def use_executor(self, name: str | None) -> None:
         """Replay with ``"python"`` or ``"native"`` (``None``: the best available, as by default)."""
-        if self._mode != "graph" or not self._plan and self._executor is None:
+        if self._mode != "graph" or self._executor is None:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
         self._executor = make_executor(self._plan, name)
 
