@@ -20,6 +20,7 @@ def breakpoint(
     enabled: bool | Callable[[], bool] = True,
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
+    mutates: tuple[str, ...] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -30,6 +31,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     enabled: bool | Callable[[], bool] = True,
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
+    mutates: tuple[str, ...] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -44,6 +46,8 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     * Non-tensor return values are frozen at capture; a replay returning a
       different value, structure, shape or dtype raises ``BreakpointOutputMismatch``.
     * Read per-replay host data with :func:`bcg.live`, never from closures.
+    * ``mutates`` names the arguments written in place (default: any tensor
+      argument may be); padding sanitizers run on exactly those.
     """
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,6 +56,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             name=name or getattr(f, "__qualname__", repr(f)),
             enabled=enabled,
             capture_stub=capture_stub,
+            mutates=tuple(mutates) if mutates is not None else None,
         )
         active = ACTIVE.get
 

@@ -1,7 +1,7 @@
 """Bridges: graph-owned buffers that carry a breakpoint's returned tensors into the next segment.
 
-At capture, every tensor a breakpoint returns gets a bridge, strongly owned by
-the graph, and the caller receives the bridge (so the following segment is
+At capture, every tensor a breakpoint returns gets a bridge, allocated in the
+graph's pool and owned by the graph, and the caller receives the bridge (so the following segment is
 captured reading the bridge's address). At replay the fresh result is copied
 into it. A returned tensor that lives in one of the breakpoint's own tensor
 arguments (an in-place write) is its own bridge: no copy.
@@ -9,6 +9,7 @@ arguments (an in-place write) is its own bridge: no copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,10 @@ class BridgeSet:
     def caller_result(self) -> Any:
         """What the caller receives at capture: the result with tensors replaced by bridges."""
         return pytree.tree_unflatten(self._leaves, self._spec)
+
+    def hold_through(self, release: Callable[[Any], Any]) -> None:
+        """Hold each bridge as ``release(bridge)`` from now on (``ownership="pool"``)."""
+        self._leaves = [release(x) if b else x for x, b in zip(self._leaves, self._is_bridge)]
 
     def tensors(self) -> list[torch.Tensor]:
         return [leaf for leaf, b in zip(self._leaves, self._is_bridge) if b]

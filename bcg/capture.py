@@ -13,6 +13,7 @@ import logging
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +22,10 @@ import torch
 from bcg import cudart
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.bridge import BridgeSet, tensor_storages
-from bcg.errors import CaptureError, HostSyncInCaptureError, NestedCaptureError
+from bcg.errors import BcgError, CaptureError, HostSyncInCaptureError, NestedCaptureError
 from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolHandle, graph_pool_handle
+from bcg.memory import PoolHandle, PoolReference, graph_pool_handle
+from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.recorder import ACTIVE
 
@@ -33,7 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("bcg")
 
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
-_HOST_SYNC_HINTS = ("capturing", "capture", "cudaErrorStreamCapture", "not permitted")
+_HOST_SYNC_HINTS = (
+    "stream is capturing",
+    "cudaErrorStreamCapture",
+    "graph capture",
+    "error during capture",
+    "operation not permitted",
+)
 
 
 class CaptureSession:
@@ -45,8 +53,13 @@ class CaptureSession:
         stream: torch.cuda.Stream,
         capture_error_mode: str,
         device: int,
+        ownership: Ownership = "graph",
+        after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.pool = pool
+        self.pool_ref = PoolReference(device, pool)
+        self._membership = PoolMembership(pool, device) if ownership == "pool" else None
+        self._after_breakpoint = after_breakpoint
         self.stream = stream
         self.stream_handle = int(stream.cuda_stream)
         self.capture_error_mode = capture_error_mode
@@ -108,14 +121,23 @@ class CaptureSession:
         except BaseException as exc:
             exc.add_note(f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise
-        bridges = BridgeSet(spec.name, result, tensor_storages(args, kwargs))
+        with self.pool_ref.allocating():
+            bridges = BridgeSet(spec.name, result, tensor_storages(args, kwargs))
+        caller_result = bridges.caller_result()
+        crossing = _unique(bridges.tensors() + spec.mutated_tensors(args, kwargs))
+        held_args, held_kwargs = args, dict(kwargs)
+        if self._membership is not None:
+            bridges.hold_through(self._membership.release)
+            held_args, held_kwargs = self._membership.release((held_args, held_kwargs))
         self.plan.append(
-            BreakpointStep(spec=spec, args=args, kwargs=dict(kwargs), bridges=bridges, index=self._breakpoint_index)
+            BreakpointStep(spec=spec, args=held_args, kwargs=held_kwargs, bridges=bridges, index=self._breakpoint_index)
         )
         self._breakpoint_index += 1
         log.debug("breakpoint %r after segment %d", spec.name, self._segment_index - 1)
         self.open_segment()
-        return bridges.caller_result()
+        if self._after_breakpoint is not None:
+            self._after_breakpoint(crossing)  # captured at the start of the next segment
+        return caller_result
 
     def graph_break(self) -> None:
         self.close_segment()
@@ -139,6 +161,7 @@ class CaptureSession:
         for step in self.plan:
             step.release()
         self.plan.clear()
+        self.pool_ref.release()
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
@@ -147,7 +170,11 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     ``pool`` shares a private memory pool with other graphs (``graph.pool()`` or
     :func:`bcg.graph_pool_handle`); ``stream`` and ``capture_error_mode`` work as
     in ``torch.cuda.graph``; ``live`` is what :func:`bcg.live` returns during
-    capture. Constraints: warm the code up eagerly first (lazy init must not
+    capture. ``ownership`` says who keeps breakpoint arguments and bridges alive
+    (see :mod:`bcg.ownership`; ``"pool"`` lets graphs sharing a pool reuse each
+    other's memory). ``after_breakpoint(tensors)`` is called inside the segment
+    after each breakpoint with the tensors crossing it (bridges and mutated
+    arguments); its CUDA work is captured there. Constraints: warm the code up eagerly first (lazy init must not
     happen inside a segment); code between breakpoints must be capturable (no
     ``.item()``, no pageable host copies, no data-dependent host control flow);
     graphs sharing a pool must not replay concurrently, and a graph's outputs are
@@ -162,7 +189,11 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         live: Any = _UNSET,
+        ownership: Ownership = "graph",
+        after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
+        if ownership not in OWNERSHIPS:
+            raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
         if capture_error_mode not in _CAPTURE_MODES:
             raise ValueError(f"capture_error_mode must be one of {_CAPTURE_MODES}, not {capture_error_mode!r}")
         self.graph = graph
@@ -170,6 +201,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._stream = stream
         self._mode = capture_error_mode
         self._live = live
+        self._ownership: Ownership = ownership
+        self._after_breakpoint = after_breakpoint
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -195,7 +228,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         torch.cuda.synchronize(device)
         self._ambient = torch.cuda.current_stream(device)
         stream.wait_stream(self._ambient)
-        self._session = CaptureSession(pool, stream, self._mode, device)
+        self._session = CaptureSession(pool, stream, self._mode, device, self._ownership, self._after_breakpoint)
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
@@ -224,7 +257,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             capture_s = time.perf_counter() - self._t0
             self._restore()
             self._ambient.wait_stream(session.stream)
-            self.graph._install(session.plan, pool=session.pool, device=session.device, capture_s=capture_s)
+            self.graph._install(
+                session.plan, pool=session.pool, device=session.device, capture_s=capture_s, pool_ref=session.pool_ref
+            )
             log.info(
                 "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
                 self.graph.num_segments, self.graph.num_breakpoints, capture_s,
@@ -244,8 +279,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
 
     def _fail(self, session: CaptureSession, exc: BaseException) -> None:
         status = cudart.capture_status(session.stream_handle)
-        self._host_sync = status == "invalidated" or (
-            session._current is not None and any(h in str(exc) for h in _HOST_SYNC_HINTS)
+        self._host_sync = not isinstance(exc, BcgError) and (
+            status == "invalidated"
+            or (session._current is not None and any(h in str(exc) for h in _HOST_SYNC_HINTS))
         )
         self._segment = session._segment_index
         try:
@@ -269,6 +305,16 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             "data-dependent control flow) into a @bcg.breakpoint function, or read the "
             "value from bcg.live(). The capture was abandoned; CUDA state is clean."
         )
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def _user_frame(tb: TracebackType | None) -> str:

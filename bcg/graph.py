@@ -11,7 +11,7 @@ import torch
 
 from bcg.errors import ReplayError
 from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolHandle, pool_bytes
+from bcg.memory import PoolHandle, PoolReference, pool_bytes
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.replay import PythonExecutor, make_executor
 
@@ -54,6 +54,7 @@ class BreakableGraph:
         self._capture_s = 0.0
         self._was_reset = False
         self._rerun: Callable[[], None] | None = None
+        self._pool_ref: PoolReference | None = None
         self.outputs: Any = None
 
     # -- filled by capture / make_graph ----------------------------------------------
@@ -66,8 +67,10 @@ class BreakableGraph:
         capture_s: float,
         mode: str = "graph",
         rerun: Callable[[], None] | None = None,
+        pool_ref: PoolReference | None = None,
     ) -> None:
         self._plan = tuple(plan)
+        self._pool_ref = pool_ref
         self._mode = mode
         self._pool = pool
         self._device = device
@@ -194,6 +197,9 @@ class BreakableGraph:
         self._plan = ()
         self._executor = None
         self._rerun = None
+        if self._pool_ref is not None:
+            self._pool_ref.release()
+            self._pool_ref = None
         self.outputs = None
         self._was_reset = True
         if graph_mode and torch.cuda.is_available():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,3 +29,32 @@ def pool_bytes(pool: PoolHandle | None, device: int | None = None) -> int:
         if tuple(seg.get("segment_pool_id", (0, 0))) == key:
             total += int(seg["total_size"])
     return total
+
+
+class PoolReference:
+    """One counted reference on a private pool: keeps it (and every block in it) alive.
+
+    A graph holds one from capture until ``reset()``, so its pool outlives the
+    individual segments and bridges allocated between segments.
+    """
+
+    def __init__(self, device: int, pool: PoolHandle) -> None:
+        self.device, self.pool = device, pool
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+        torch._C._cuda_endAllocateToPool(device, pool)
+        self._held = True
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """Route this thread's CUDA allocations to the pool inside the block (outside capture)."""
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device, self.pool)
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(self.device, self.pool)
+            torch._C._cuda_releasePool(self.device, self.pool)
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            torch._C._cuda_releasePool(self.device, self.pool)

@@ -1,0 +1,610 @@
+"""Core behaviour on a GPU: capture, replay, bridges, pools, RNG, side streams, errors, memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import bcg
+from bcg import cudart
+
+from .models import TinyLlama, positions_for, random_lengths
+
+pytestmark = pytest.mark.cuda
+
+OWNERSHIPS = ["graph", "pool"]
+
+
+def _capture(fn, *args, live=None, **kw):  # noqa: ANN001, ANN202
+    graph = bcg.BreakableGraph()
+    with bcg.capture(graph, live=live, **kw):
+        out = fn(*args)
+    return graph, out
+
+
+def _assert_clean(stream: torch.cuda.Stream | None = None) -> None:
+    """No stream capturing, and the next eager op and capture work."""
+    assert not torch.cuda.is_current_stream_capturing()
+    if stream is not None:
+        assert cudart.capture_status(int(stream.cuda_stream)) == "none"
+    x = torch.randn(64, device="cuda")
+    torch.testing.assert_close((x * 2).sum().item(), x.sum().item() * 2, rtol=1e-4, atol=1e-4)
+    static = torch.randn(32, device="cuda")
+
+    @bcg.breakpoint
+    def double(t: torch.Tensor) -> None:
+        t.mul_(2)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        u = t + 1
+        double(u)
+        return u - 1
+
+    graph, out = _capture(fn, static)
+    static.copy_(torch.randn(32, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, (static + 1) * 2 - 1, rtol=0, atol=0)
+    graph.reset()
+
+
+# -- the Llama block: bit-identical to eager over many request-length sets ----------------------
+
+
+@pytest.mark.parametrize("ownership", OWNERSHIPS)
+@pytest.mark.parametrize("returning", [False, True])
+def test_llama_block_replay_is_bit_identical_to_eager(ownership: str, returning: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyLlama(layers=3, hidden=256, heads=8, kv_heads=2, intermediate=512, returning=returning)
+    T = 96
+    gen = torch.Generator().manual_seed(123)
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    lengths = random_lengths(T, 4, gen)
+    pos = positions_for(lengths, T, "cuda")
+    with bcg.live_scope({"lengths": lengths}):
+        model(x, pos)  # warm up
+    graph, out = _capture(model, x, pos, live={"lengths": lengths}, ownership=ownership)
+    stats = graph.stats()
+    assert stats.breakpoints == 3 and stats.segments == 4
+    assert all(k > 0 for k in stats.kernel_nodes)
+    assert stats.pool_bytes > 0
+    assert (stats.bridge_bytes > 0) == returning
+    for trial in range(50):
+        requests = 1 + trial % 6
+        lengths = random_lengths(T, requests, gen)
+        x.copy_(torch.randn(T, 256, device="cuda", dtype=torch.bfloat16))
+        pos.copy_(positions_for(lengths, T, "cuda"))
+        graph.replay(live={"lengths": lengths})
+        with bcg.live_scope({"lengths": lengths}):
+            expected = model(x, pos)
+        assert torch.equal(out, expected), f"trial {trial} lengths {lengths}"
+    graph.reset()
+
+
+def test_capture_output_is_valid_right_after_capture() -> None:
+    model = TinyLlama(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    T = 40
+    x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+    lengths = [10, 30]
+    pos = positions_for(lengths, T, "cuda")
+    with bcg.live_scope({"lengths": lengths}):
+        expected = model(x, pos)
+    graph, out = _capture(model, x, pos, live={"lengths": lengths})
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+# -- bridges ------------------------------------------------------------------------------------
+
+
+def test_returned_tensor_bridges_are_owned_and_refreshed() -> None:
+    @bcg.breakpoint
+    def split_scale(t: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        s = bcg.live()
+        return t * s, {"neg": -t, "scale": 1}
+
+    x = torch.randn(16, 8, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a.sin()
+        scaled, extra = split_scale(h)
+        return scaled + extra["neg"] * extra["scale"]
+
+    graph, out = _capture(fn, x, live=2.0)
+    steps = graph.breakpoints
+    assert len(steps) == 1 and len(steps[0].bridges.tensors()) == 2
+    assert graph.stats().bridge_bytes == 2 * 16 * 8 * 4
+    for scale in (3.0, -1.5, 0.25):
+        x.copy_(torch.randn(16, 8, device="cuda"))
+        graph.replay(live=scale)
+        torch.testing.assert_close(out, x.sin() * scale - x.sin(), rtol=0, atol=0)
+
+
+def test_replay_raises_when_a_breakpoint_changes_its_output_contract() -> None:
+    @bcg.breakpoint
+    def shaped(t: torch.Tensor) -> torch.Tensor:
+        return t[: bcg.live()] * 2
+
+    x = torch.randn(8, device="cuda")
+    graph, out = _capture(lambda a: shaped(a + 1) - 1, x, live=8)
+    graph.replay(live=8)
+    with pytest.raises(bcg.BreakpointOutputMismatch, match="shapes and dtypes are fixed"):
+        graph.replay(live=4)
+    graph.replay(live=8)  # still replayable
+    torch.testing.assert_close(out, (x + 1) * 2 - 1, rtol=0, atol=0)
+
+
+def test_bridges_survive_the_caller_dropping_them() -> None:
+    """The weak-reference bug class: a later capture must not reuse a bridge's memory."""
+
+    @bcg.breakpoint
+    def produce(t: torch.Tensor) -> torch.Tensor:
+        return t.cos()  # an eager allocation, outside any pool
+
+    x = torch.randn(1024, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        b = produce(a)
+        return (b * 2).sum(0, keepdim=True)
+
+    graph, out = _capture(fn, x)
+    scratch = [torch.randn(1024, device="cuda") for _ in range(16)]  # would reuse a freed eager block
+    graph.replay()
+    torch.testing.assert_close(out, (x.cos() * 2).sum(0, keepdim=True))
+    del scratch
+
+
+# -- shared pools: graphs captured one after the other, replayed in random order ------------------
+
+
+@pytest.mark.parametrize("ownership", OWNERSHIPS)
+def test_graphs_sharing_a_pool_replay_in_random_order(ownership: str) -> None:
+    pool = bcg.graph_pool_handle()
+
+    @bcg.breakpoint
+    def mix(a: torch.Tensor) -> torch.Tensor:
+        return a.flip(0) * bcg.live()
+
+    def make(width: int):  # noqa: ANN202
+        x = torch.randn(256, width, device="cuda")
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(t * 0.5)
+            m = mix(h)
+            g = torch.empty_like(h)
+            mix2 = m + torch.sigmoid(h)
+            g.copy_(mix2)
+            return g.cumsum(0)
+
+        graph = bcg.BreakableGraph()
+        with bcg.capture(graph, pool=pool, live=1.0, ownership=ownership):
+            out = fn(x)
+
+        def reference(s: float) -> torch.Tensor:
+            h = torch.tanh(x * 0.5)
+            return (h.flip(0) * s + torch.sigmoid(h)).cumsum(0)
+
+        return graph, x, out, reference
+
+    graphs = [make(w) for w in (64, 32, 64)]
+    assert all(g.pool() == pool for g, *_ in graphs)
+    rng = random.Random(0)
+    for _ in range(30):
+        graph, x, out, reference = graphs[rng.randrange(len(graphs))]
+        x.copy_(torch.randn_like(x))
+        s = rng.uniform(-2, 2)
+        graph.replay(live=s)
+        torch.testing.assert_close(out, reference(s), rtol=0, atol=0)
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+
+
+def test_rng_in_segments_gives_fresh_numbers_each_replay() -> None:
+    @bcg.breakpoint
+    def noop(t: torch.Tensor) -> None:
+        t.add_(0)
+
+    x = torch.ones(4096, device="cuda")
+
+    def fn(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d1 = torch.nn.functional.dropout(a, p=0.5)
+        noop(d1)
+        return d1, torch.rand_like(a)
+
+    graph, (d, r) = _capture(fn, x)
+    assert any(s.uses_rng for s in graph.segments)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    seen_d, seen_r = [], []
+    for _ in range(4):
+        before = gen.get_offset()
+        graph.replay()
+        assert gen.get_offset() > before
+        seen_d.append(d.clone())
+        seen_r.append(r.clone())
+    for i in range(len(seen_d)):
+        keep = (seen_d[i] != 0).float().mean().item()
+        assert 0.4 < keep < 0.6
+        for j in range(i):
+            assert not torch.equal(seen_d[i], seen_d[j])
+            assert not torch.equal(seen_r[i], seen_r[j])
+
+
+# -- side streams ------------------------------------------------------------------------------
+
+
+def test_unjoined_side_stream_is_joined_at_breakpoints_and_end() -> None:
+    side = torch.cuda.Stream()
+
+    @bcg.breakpoint
+    def read(t: torch.Tensor) -> torch.Tensor:
+        return t * 1.0
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def fn(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            b = a.exp()
+            for _ in range(20):  # long enough to lose a race if unordered
+                b = b * 1.0001
+        c = read(b)  # side stream never joined: bcg joins it before the break
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            d = c.sqrt() + 1  # forked again, never joined before the end of capture
+        return c, d
+
+    graph, (c, d) = _capture(fn, x)
+    for _ in range(5):
+        x.copy_(torch.rand_like(x))
+        graph.replay()
+        b = x.exp()
+        for _ in range(20):
+            b = b * 1.0001
+        torch.testing.assert_close(c, b, rtol=0, atol=0)
+        torch.testing.assert_close(d, b.sqrt() + 1, rtol=0, atol=0)
+    _assert_clean()
+
+
+# -- structure ------------------------------------------------------------------------------------
+
+
+def test_consecutive_breakpoints_and_graph_breaks_launch_no_empty_graph() -> None:
+    @bcg.breakpoint
+    def bump(t: torch.Tensor) -> None:
+        t.add_(bcg.live())
+
+    x = torch.randn(8, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a * 2
+        bump(h)
+        bump(h)
+        bcg.graph_break()
+        bcg.graph_break()
+        h2 = h + 1
+        bcg.graph_break()
+        return h2 * 3
+
+    graph, out = _capture(fn, x, live=1.0)
+    kinds = [type(s).__name__ for s in graph.plan]
+    assert kinds == ["SegmentStep", "BreakpointStep", "BreakpointStep", "SegmentStep", "SegmentStep"]
+    graph.replay(live=0.5)
+    h = x * 2
+    h.add_(0.5)
+    h.add_(0.5)
+    torch.testing.assert_close(out, (h + 1) * 3, rtol=0, atol=0)
+
+
+def test_capture_stub_and_disabled_breakpoints() -> None:
+    @bcg.breakpoint(capture_stub=lambda t: torch.zeros_like(t))
+    def stubbed(t: torch.Tensor) -> torch.Tensor:
+        return t + bcg.live()
+
+    @bcg.breakpoint(enabled=False)
+    def inline(t: torch.Tensor) -> torch.Tensor:
+        return t * 3
+
+    x = torch.randn(8, device="cuda")
+    graph, out = _capture(lambda a: inline(stubbed(a)) - 1, x, live=None)
+    assert graph.num_breakpoints == 1
+    graph.replay(live=2.0)
+    torch.testing.assert_close(out, (x + 2.0) * 3 - 1, rtol=0, atol=0)
+
+
+def test_after_breakpoint_hook_is_captured_into_the_next_segment() -> None:
+    @bcg.breakpoint(mutates=("out",))
+    def partial_write(a: torch.Tensor, out: torch.Tensor) -> None:
+        n = bcg.live()
+        out[:n].copy_(a[:n])  # rows past n left as they were
+
+    mask = torch.ones(64, 1, device="cuda", dtype=torch.bool)
+    crossed: list[list[torch.Tensor]] = []
+
+    def sanitize(tensors: list[torch.Tensor]) -> None:
+        crossed.append(tensors)
+        for t in tensors:
+            t.masked_fill_(~mask, 0)
+
+    x = torch.randn(64, 4, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(a, float("nan"))
+        partial_write(a * 2, out)
+        return out + 1
+
+    graph, y = _capture(fn, x, live=64, after_breakpoint=sanitize)
+    assert len(crossed) == 1 and len(crossed[0]) == 1  # only the declared `out`
+    for n in (64, 10, 1):
+        mask.copy_((torch.arange(64, device="cuda") < n)[:, None])
+        graph.replay(live=n)
+        assert not torch.isnan(y).any()
+        torch.testing.assert_close(y[:n], x[:n] * 2 + 1, rtol=0, atol=0)
+        torch.testing.assert_close(y[n:], torch.ones_like(y[n:]), rtol=0, atol=0)
+
+
+def test_stats_count_kernel_nodes_per_segment() -> None:
+    @bcg.breakpoint
+    def bp(t: torch.Tensor) -> None:
+        pass
+
+    x = torch.randn(8, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a + 1
+        h = h * 2
+        bp(h)
+        return h.exp()
+
+    graph, _ = _capture(fn, x)
+    stats = graph.stats()
+    assert stats.segments == 2 and stats.breakpoints == 1
+    assert stats.kernel_nodes == (2, 1)
+    assert stats.capture_s > 0 and stats.pool_bytes > 0
+    assert graph.segments[0].graph_handle != 0 and graph.segments[0].exec_handle != 0
+
+
+# -- errors, each followed by a working capture ------------------------------------------------
+
+
+def test_item_inside_a_segment_raises_host_sync_error_naming_the_line() -> None:
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(bcg.HostSyncInCaptureError, match=r"test_core_cuda.py:\d+: .*\.item\(\)"):
+        with bcg.capture(graph, stream=stream):
+            y = x * 2
+            y.sum().item()
+    assert not graph.is_captured
+    _assert_clean(stream)
+
+
+def test_pageable_host_copy_inside_a_segment_raises_host_sync_error() -> None:
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    x = torch.randn(4, device="cuda")
+    host = torch.randn(4)  # pageable
+    with pytest.raises(bcg.HostSyncInCaptureError, match="segment"):
+        with bcg.capture(graph, stream=stream):
+            x.copy_(host)
+    _assert_clean(stream)
+
+
+def test_host_sync_in_a_later_segment_releases_earlier_segments() -> None:
+    @bcg.breakpoint
+    def bp(t: torch.Tensor) -> None:
+        t.add_(1)
+
+    graph = bcg.BreakableGraph()
+    x = torch.randn(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(bcg.HostSyncInCaptureError, match="segment 1"):
+        with bcg.capture(graph):
+            h = x * 2
+            bp(h)
+            float(h.sum())
+    del h
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+    _assert_clean()
+
+
+def test_nested_capture_is_refused() -> None:
+    outer = bcg.BreakableGraph()
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(bcg.NestedCaptureError, match="cannot nest"):
+        with bcg.capture(outer):
+            y = x + 1
+            with bcg.capture(bcg.BreakableGraph()):
+                pass
+    del y
+    _assert_clean()
+    tg = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with pytest.raises(bcg.NestedCaptureError):
+        with torch.cuda.graph(tg, stream=s):
+            z = x + 1
+            bcg.capture(bcg.BreakableGraph()).__enter__()
+    del z
+    _assert_clean()
+
+
+def test_replay_before_capture_and_after_reset_raise() -> None:
+    graph = bcg.BreakableGraph()
+    with pytest.raises(bcg.ReplayError, match="no capture yet"):
+        graph.replay()
+    x = torch.randn(4, device="cuda")
+    graph, _ = _capture(lambda a: a * 2, x)
+    graph.reset()
+    with pytest.raises(bcg.ReplayError, match="was reset"):
+        graph.replay()
+    with bcg.capture(graph):  # a reset graph can be captured again
+        out = x * 3
+    graph.replay()
+    torch.testing.assert_close(out, x * 3)
+
+
+def test_breakpoint_raising_during_capture_abandons_cleanly() -> None:
+    @bcg.breakpoint
+    def broken(t: torch.Tensor) -> None:
+        raise ValueError("metadata missing")
+
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(ValueError, match="metadata missing") as info:
+        with bcg.capture(graph, stream=stream):
+            broken(x * 2)
+    assert any("during capture" in n for n in getattr(info.value, "__notes__", []))
+    assert not graph.is_captured
+    _assert_clean(stream)
+
+
+def test_breakpoint_raising_during_replay_leaves_graph_replayable() -> None:
+    @bcg.breakpoint
+    def flaky(t: torch.Tensor) -> None:
+        if bcg.live() == "fail":
+            raise RuntimeError("backend unavailable")
+        t.mul_(2)
+
+    x = torch.randn(16, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a + 1
+        flaky(h)
+        return h - 1
+
+    graph, out = _capture(fn, x, live="ok")
+    with pytest.raises(RuntimeError, match="backend unavailable") as info:
+        graph.replay(live="fail")
+    assert any("during replay" in n for n in info.value.__notes__)
+    x.copy_(torch.randn_like(x))
+    graph.replay(live="ok")
+    torch.testing.assert_close(out, (x + 1) * 2 - 1, rtol=0, atol=0)
+    _assert_clean()
+
+
+def test_default_stream_is_refused() -> None:
+    with pytest.raises(bcg.CaptureError, match="default stream"):
+        with bcg.capture(bcg.BreakableGraph(), stream=torch.cuda.default_stream()):
+            pass
+    _assert_clean()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_replay_under_another_device_raises() -> None:
+    x = torch.randn(4, device="cuda:0")
+    with torch.cuda.device(0):
+        graph, out = _capture(lambda a: a * 2, x)
+    with torch.cuda.device(1), pytest.raises(bcg.ReplayError, match="captured on cuda:0"):
+        graph.replay()
+    with torch.cuda.device(0):
+        graph.replay()
+    torch.testing.assert_close(out, x * 2)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def test_reset_frees_segments_bridges_and_pool() -> None:
+    @bcg.breakpoint
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(2, 1)
+
+    x = torch.randn(1024, 1024, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved0 = torch.cuda.memory_reserved()
+    allocated0 = torch.cuda.memory_allocated()
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a * 2
+        g = grow(h)
+        return (g + 1).sum()
+
+    graph, out = _capture(fn, x)
+    assert graph.stats().pool_bytes >= 3 * x.nbytes
+    assert torch.cuda.memory_reserved() > reserved0
+    del out
+    graph.reset()
+    assert torch.cuda.memory_allocated() == allocated0
+    assert torch.cuda.memory_reserved() == reserved0
+
+
+@pytest.mark.parametrize("ownership", OWNERSHIPS)
+def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
+    @bcg.breakpoint
+    def attn_like(q: torch.Tensor) -> torch.Tensor:
+        n = bcg.live()
+        out = torch.zeros_like(q)
+        out[:n] = q[:n].softmax(-1)
+        return out
+
+    x = torch.randn(128, 64, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a.relu()
+        return attn_like(h) * 2
+
+    graph, out = _capture(fn, x, live=128, ownership=ownership)
+    for i in range(100):
+        graph.replay(live=1 + i % 128)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for i in range(10_000):
+        graph.replay(live=1 + i % 128)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+
+
+def test_pool_ownership_lets_later_segments_reuse_breakpoint_memory() -> None:
+    @bcg.breakpoint(mutates=("out",))
+    def copy_into(a: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(a)
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a
+        for _ in range(8):
+            h = h * 1.5
+            out = torch.empty_like(h)
+            copy_into(h, out)
+            h = out + 1
+        return h
+
+    pools = {}
+    for ownership in OWNERSHIPS:
+        graph, out = _capture(fn, x, ownership=ownership)
+        graph.replay()
+        ref = x
+        for _ in range(8):
+            ref = ref * 1.5 + 1
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        pools[ownership] = graph.stats().pool_bytes
+        del out
+        graph.reset()
+    assert pools["pool"] < pools["graph"]
+
+
+def test_make_graph_captures_and_knows_its_outputs() -> None:
+    model = TinyLlama(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    T = 48
+    x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+    lengths = [20, 28]
+    pos = positions_for(lengths, T, "cuda")
+    graph = bcg.make_graph(model, x, pos, live={"lengths": lengths})
+    eager_graph = bcg.make_graph(model, x, pos, mode="eager", live={"lengths": lengths})
+    assert graph.mode == "graph" and eager_graph.mode == "eager"
+    assert graph.num_segments == eager_graph.num_segments
+    assert graph.num_breakpoints == eager_graph.num_breakpoints
+    for lengths in ([48], [1, 47], [16, 16, 16]):
+        x.copy_(torch.randn_like(x))
+        pos.copy_(positions_for(lengths, T, "cuda"))
+        a = graph.replay(live={"lengths": lengths})
+        b = eager_graph.replay(live={"lengths": lengths})
+        assert torch.equal(a, b)
