@@ -24,7 +24,7 @@ from bcg.breakpoint_spec import BreakpointSpec
 from bcg.bridge import BridgeSet, tensor_storages
 from bcg.errors import BcgError, CaptureError, HostSyncInCaptureError, NestedCaptureError
 from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolHandle, PoolReference, graph_pool_handle
+from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle
 from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.recorder import ACTIVE
@@ -57,7 +57,8 @@ class CaptureSession:
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.pool = pool
-        self.pool_ref = PoolReference(device, pool)
+        self.pool_ref = PoolAnchor(device, pool, stream)
+        self.empty_segments: list[torch.cuda.CUDAGraph] = []
         self._membership = PoolMembership(pool, device) if ownership == "pool" else None
         self._after_breakpoint = after_breakpoint
         self.stream = stream
@@ -91,7 +92,9 @@ class CaptureSession:
         counts = cudart.node_type_counts(handle)
         nodes = sum(counts.values())
         if nodes == 0:
-            graph.reset()  # consecutive breakpoints: no empty launch
+            # Consecutive breakpoints: no launch. Kept (not reset) until the graph is,
+            # since resetting drops a count on the pool (see PoolAnchor).
+            self.empty_segments.append(graph)
             return
         graph.instantiate()
         cudart.upload(int(graph.raw_cuda_graph_exec()), self.stream_handle)
@@ -153,15 +156,20 @@ class CaptureSession:
                     graph.capture_end()
             except Exception:
                 # The capture was invalidated: torch raised before releasing its
-                # allocator routing. End it ourselves and undo what capture_begin did.
+                # allocator routing and its RNG capture state. Undo both.
                 cudart.end_capture(self.stream_handle)
                 torch._C._cuda_endAllocateToPool(self.device, self.pool)
                 torch._C._cuda_releasePool(self.device, self.pool)
+                _reset_rng_capture_state(self.stream)
             graph.reset()
         for step in self.plan:
             step.release()
         self.plan.clear()
+        for empty in self.empty_segments:
+            empty.reset()
+        self.empty_segments.clear()
         self.pool_ref.release()
+        torch.cuda.empty_cache()  # an abandoned pool goes back to the driver
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
@@ -258,7 +266,12 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             self._restore()
             self._ambient.wait_stream(session.stream)
             self.graph._install(
-                session.plan, pool=session.pool, device=session.device, capture_s=capture_s, pool_ref=session.pool_ref
+                session.plan,
+                pool=session.pool,
+                device=session.device,
+                capture_s=capture_s,
+                pool_ref=session.pool_ref,
+                keepalive=session.empty_segments,
             )
             log.info(
                 "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
@@ -305,6 +318,21 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             "data-dependent control flow) into a @bcg.breakpoint function, or read the "
             "value from bcg.live(). The capture was abandoned; CUDA state is clean."
         )
+
+
+def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
+    """Close the RNG generator's capture state left open by a failed ``capture_end``.
+
+    torch marks the default generator as capturing in ``capture_begin`` and
+    unmarks it only in a successful ``capture_end``; after a failed one every
+    eager random op would raise. An empty capture runs the prologue/epilogue pair.
+    """
+    repair = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        repair.capture_begin()
+        repair.capture_end()
+    repair.reset()
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

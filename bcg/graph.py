@@ -11,7 +11,7 @@ import torch
 
 from bcg.errors import ReplayError
 from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolHandle, PoolReference, pool_bytes
+from bcg.memory import PoolHandle, PoolAnchor, pool_bytes
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.replay import PythonExecutor, make_executor
 
@@ -54,7 +54,8 @@ class BreakableGraph:
         self._capture_s = 0.0
         self._was_reset = False
         self._rerun: Callable[[], None] | None = None
-        self._pool_ref: PoolReference | None = None
+        self._pool_ref: PoolAnchor | None = None
+        self._keepalive: list[torch.cuda.CUDAGraph] = []
         self.outputs: Any = None
 
     # -- filled by capture / make_graph ----------------------------------------------
@@ -67,10 +68,12 @@ class BreakableGraph:
         capture_s: float,
         mode: str = "graph",
         rerun: Callable[[], None] | None = None,
-        pool_ref: PoolReference | None = None,
+        pool_ref: PoolAnchor | None = None,
+        keepalive: Sequence[torch.cuda.CUDAGraph] = (),
     ) -> None:
         self._plan = tuple(plan)
         self._pool_ref = pool_ref
+        self._keepalive = list(keepalive)
         self._mode = mode
         self._pool = pool
         self._device = device
@@ -197,6 +200,9 @@ class BreakableGraph:
         self._plan = ()
         self._executor = None
         self._rerun = None
+        for empty in self._keepalive:
+            empty.reset()
+        self._keepalive = []
         if self._pool_ref is not None:
             self._pool_ref.release()
             self._pool_ref = None

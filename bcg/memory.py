@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,18 +32,23 @@ def pool_bytes(pool: PoolHandle | None, device: int | None = None) -> int:
     return total
 
 
-class PoolReference:
-    """One counted reference on a private pool: keeps it (and every block in it) alive.
+class PoolAnchor:
+    """Keeps a private pool alive from capture until ``reset()``.
 
-    A graph holds one from capture until ``reset()``, so its pool outlives the
-    individual segments and bridges allocated between segments.
+    torch counts a pool's users in both its device and its pinned-host
+    allocator, and a pool whose count dropped to zero must not be captured into
+    again. The anchor is an empty ``CUDAGraph`` captured into the pool: it holds
+    one count in each, so dropping empty segments or a failed capture never
+    takes the pool to zero while the graph lives.
     """
 
-    def __init__(self, device: int, pool: PoolHandle) -> None:
+    def __init__(self, device: int, pool: PoolHandle, stream: torch.cuda.Stream) -> None:
         self.device, self.pool = device, pool
-        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
-        torch._C._cuda_endAllocateToPool(device, pool)
-        self._held = True
+        self._graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            self._graph.capture_begin(pool=pool)
+            self._graph.capture_end()
 
     @contextlib.contextmanager
     def allocating(self) -> Iterator[None]:
@@ -55,6 +61,6 @@ class PoolReference:
             torch._C._cuda_releasePool(self.device, self.pool)
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
-            torch._C._cuda_releasePool(self.device, self.pool)
+        if self._graph is not None:
+            self._graph.reset()
+            self._graph = None

@@ -29,7 +29,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     n = sum(lengths)
-    if _varlen_available():
+    if q.is_cuda and _varlen_available():
         from torch.nn.attention.varlen import varlen_attn
 
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(q.device, non_blocking=True)
