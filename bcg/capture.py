@@ -22,7 +22,7 @@ import torch
 from bcg import cudart
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.bridge import BridgeSet, tensor_storages
-from bcg.errors import BcgError, CaptureError, HostSyncInCaptureError, NestedCaptureError
+from bcg.errors import BcgError, CaptureError, add_note, HostSyncInCaptureError, NestedCaptureError
 from bcg.live import _UNSET, reset_live, set_live
 from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle
 from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
@@ -122,7 +122,7 @@ class CaptureSession:
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            exc.add_note(f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
+            add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise
         with self.pool_ref.allocating():
             bridges = BridgeSet(spec.name, result, tensor_storages(args, kwargs))
@@ -152,7 +152,8 @@ class CaptureSession:
         graph, self._current = self._current, None
         if graph is not None:
             try:
-                with torch.cuda.stream(self.stream):
+                with torch.cuda.stream(self.stream), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
                     graph.capture_end()
             except Exception:
                 # The capture was invalidated: torch raised before releasing its

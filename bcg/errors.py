@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which lacks it)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    try:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that refuses attributes: leave it as it is
+        pass
+
+
 class BcgError(RuntimeError):
     """Base class of all bcg errors."""
 
