@@ -1,15 +1,32 @@
 """Executors: run a replay plan on the current stream.
 
-The Python executor calls each step's ``launch`` in order. A native executor
-(``csrc/``) can run the same plan in one C loop; both see the plan only
-through ``SegmentStep``/``BreakpointStep``.
+The Python executor calls each step's ``launch`` in order. The native executor
+(``csrc/``, module ``bcg._native``) runs the same plan in one C loop: segments
+are launched with ``cuGraphLaunch`` straight from C, and only breakpoints (and
+segments that use RNG, whose replay must go through torch) call back into
+Python. Both see the plan only through ``SegmentStep``/``BreakpointStep``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from typing import Any, Union
 
-from bcg.plan import BreakpointStep, Step
+from bcg import native
+from bcg.errors import ReplayError, add_note
+from bcg.plan import BreakpointStep, SegmentStep, Step
+
+log = logging.getLogger("bcg")
+
+EXECUTORS = ("python", "native")
+
+
+def _breakpoint_note(step: BreakpointStep) -> str:
+    return (
+        f"bcg: raised by breakpoint {step.name!r} during replay; the segments after it "
+        "did not run and the graph stays replayable"
+    )
 
 
 class PythonExecutor:
@@ -29,15 +46,109 @@ class PythonExecutor:
         except BaseException as exc:
             step = self._plan[i]
             if isinstance(step, BreakpointStep):
-                exc.add_note(
-                    f"bcg: raised by breakpoint {step.name!r} during replay; the segments after it "
-                    "did not run and the graph stays replayable"
+                add_note(exc, _breakpoint_note(step))
+            raise
+
+
+def _stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
+    """``(current device, current raw stream of a device)``, the cheapest way torch offers."""
+    import torch
+
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is not None and get_stream is not None:
+        return get_device, get_stream
+    return torch.cuda.current_device, lambda device: int(torch.cuda.current_stream(device).cuda_stream)
+
+
+class NativeExecutor:
+    """Replays a plan in one C loop (``bcg._native.Plan``).
+
+    Segments are launched by handle (their ``cudaGraphExec_t``) with
+    ``cuGraphLaunch`` on the caller's current stream, read at each replay.
+    Breakpoints, and segments that use RNG (``SegmentStep.uses_rng``), are
+    called through their ``launch``, so torch advances the RNG generator
+    exactly as its own replay does.
+    """
+
+    name = "native"
+
+    def __init__(self, plan: Sequence[Step]) -> None:
+        self._plan = tuple(plan)
+        steps: list[Any] = []
+        for step in self._plan:
+            if isinstance(step, SegmentStep) and not step.uses_rng:
+                steps.append(step.exec_handle)
+            else:
+                steps.append(step.launch)
+        self._native = native.module().Plan(steps)
+        self._replay: Callable[..., None] = self._native.replay
+        self._get_device: Callable[[], int] | None = None
+        self._get_stream: Callable[[int], int] | None = None
+        if self._native.launches:
+            self._get_device, self._get_stream = _stream_readers()
+
+    @property
+    def launches(self) -> int:
+        """How many segments the C loop launches itself (the others go through torch)."""
+        return int(self._native.launches)
+
+    def run(self) -> None:
+        try:
+            if self._get_device is None:
+                self._replay(0)  # callables only: no stream, no driver needed
+            else:
+                assert self._get_stream is not None
+                device = self._get_device()
+                self._replay(self._get_stream(device), device)
+        except BaseException as exc:
+            i = self._native.failed_step
+            step = self._plan[i] if 0 <= i < len(self._plan) else None
+            if isinstance(step, BreakpointStep):
+                add_note(exc, _breakpoint_note(step))
+            elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:
+                add_note(
+                    exc,
+                    f"bcg: segment {step.index} (plan step {i}) failed to launch during a native "
+                    "replay; the steps before it ran and the ones after it did not",
                 )
             raise
 
 
-def make_executor(plan: Sequence[Step], name: str | None = None) -> PythonExecutor:
-    """The executor for ``plan``: ``name`` is ``"python"``, ``"native"`` or ``None`` (best available)."""
-    if name not in (None, "python"):
-        raise ValueError(f"unknown executor {name!r}: the native executor is not built in this install")
-    return PythonExecutor(plan)
+Executor = Union[PythonExecutor, NativeExecutor]
+
+
+def _plan_launches(plan: Sequence[Step]) -> bool:
+    return any(isinstance(s, SegmentStep) and not s.uses_rng for s in plan)
+
+
+def make_executor(plan: Sequence[Step], name: str | None = None) -> Executor:
+    """The executor for ``plan``: ``name`` is ``"python"``, ``"native"`` or ``None`` (best available).
+
+    ``None`` picks the native executor when ``bcg._native`` is built, the
+    environment does not say ``BCG_NATIVE=0`` and (for a plan that launches
+    graphs) the CUDA driver loads; otherwise the Python one. ``"native"`` raises
+    :class:`bcg.ReplayError` when the extension is not built.
+    """
+    if name is None:
+        if not native.enabled_by_env():
+            return PythonExecutor(plan)
+        if not native.available():
+            log.debug("bcg: replaying with the Python executor: %s", native.why_unavailable())
+            return PythonExecutor(plan)
+        if _plan_launches(plan):
+            why = native.driver_error()
+            if why is not None:
+                log.debug("bcg: replaying with the Python executor: %s", why)
+                return PythonExecutor(plan)
+        return NativeExecutor(plan)
+    if name == "python":
+        return PythonExecutor(plan)
+    if name == "native":
+        if not native.available():
+            raise ReplayError(
+                f"the native executor is not available: {native.why_unavailable()}; "
+                "or replay with the Python executor (use_executor('python'))"
+            )
+        return NativeExecutor(plan)
+    raise ValueError(f"unknown executor {name!r}: choose one of {EXECUTORS} or None (the best available)")

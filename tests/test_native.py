@@ -1,0 +1,490 @@
+"""The native replay loop (``bcg._native``, built from ``csrc/``): what can be checked without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import weakref
+
+import pytest
+
+import bcg
+from bcg import native
+from bcg.breakpoint_spec import BreakpointSpec
+from bcg.plan import BreakpointStep
+from bcg.replay import NativeExecutor, PythonExecutor, make_executor
+
+
+def _libcuda_loadable() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def _native():  # noqa: ANN202
+    assert native.available(), native.why_unavailable()
+    return native.module()
+
+
+def _breakpoint_step(fn, name: str, index: int = 0) -> BreakpointStep:  # noqa: ANN001
+    return BreakpointStep(spec=BreakpointSpec(fn=fn, name=name), args=(), kwargs={}, index=index)
+
+
+# -- the build ----------------------------------------------------------------------------------
+
+
+def test_extension_is_built_and_importable() -> None:
+    assert native.available(), native.why_unavailable()
+    assert native.why_unavailable() is None
+    import bcg._native as mod
+
+    assert mod is native.module()
+    assert mod.DRIVER_LIBRARY == "libcuda.so.1"
+    assert callable(mod.Plan) and callable(mod.load_driver)
+
+
+# -- Plan construction --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["segment", 1.5, None, True, b"\x00", object()])
+def test_plan_rejects_invalid_step_types(_native, bad) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError, match=r"Plan step 1 must be an int .* or a callable"):
+        _native.Plan((lambda: None, bad))
+
+
+def test_plan_rejects_a_non_iterable(_native) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError, match="iterable"):
+        _native.Plan(5)
+
+
+def test_plan_rejects_handles_that_do_not_fit_a_pointer(_native) -> None:  # noqa: ANN001
+    with pytest.raises(OverflowError, match="Plan step 0"):
+        _native.Plan((1 << 80,))
+
+
+def test_plan_introspection(_native) -> None:  # noqa: ANN001
+    f = lambda: None  # noqa: E731
+    plan = _native.Plan([f, 0, 0xDEADBEEF, f])  # any iterable; handles are not touched until replay
+    assert len(plan) == 4
+    assert plan.launches == 2
+    assert plan.steps == (f, 0, 0xDEADBEEF, f)
+    assert plan.failed_step == -1
+    assert "4 steps" in repr(plan) and "2 graph launches" in repr(plan)
+    assert len(_native.Plan(())) == 0
+
+
+# -- replay with callables only (no driver needed) ----------------------------------------------
+
+
+def test_replay_calls_callables_in_order(_native) -> None:  # noqa: ANN001
+    calls: list[int] = []
+    plan = _native.Plan([lambda i=i: calls.append(i) for i in range(5)])
+    for _ in range(3):
+        assert plan.replay(0) is None
+    assert calls == [0, 1, 2, 3, 4] * 3
+    assert plan.failed_step == -1
+    plan.replay(0, 3)  # an optional device ordinal is accepted
+    _native.Plan(()).replay(0)
+
+
+def test_replay_ignores_what_callables_return(_native) -> None:  # noqa: ANN001
+    plan = _native.Plan([lambda: 42, lambda: "x", list])
+    plan.replay(0)
+
+
+def test_replay_arguments_are_checked(_native) -> None:  # noqa: ANN001
+    plan = _native.Plan([lambda: None])
+    with pytest.raises(TypeError, match="stream must be an int"):
+        plan.replay("stream")
+    with pytest.raises(TypeError, match="1 or 2 positional"):
+        plan.replay()
+    with pytest.raises(TypeError, match="1 or 2 positional"):
+        plan.replay(0, 0, 0)
+
+
+def test_a_callables_exception_propagates_unchanged_with_its_index(_native) -> None:  # noqa: ANN001
+    calls: list[str] = []
+    boom = ValueError("boom")
+
+    def fail() -> None:
+        calls.append("fail")
+        raise boom
+
+    plan = _native.Plan([lambda: calls.append("a"), lambda: calls.append("b"), fail, lambda: calls.append("after")])
+    with pytest.raises(ValueError) as info:
+        plan.replay(0)
+    assert info.value is boom
+    assert not getattr(info.value, "__notes__", None)  # the C loop adds nothing: the executor does
+    assert plan.failed_step == 2
+    assert calls == ["a", "b", "fail"]
+    calls.clear()
+    plan.steps  # noqa: B018 - still usable
+    # the next replay starts over and resets failed_step
+    ok = _native.Plan([lambda: calls.append("a")])
+    ok.replay(0)
+    assert ok.failed_step == -1
+
+
+def test_base_exceptions_propagate(_native) -> None:  # noqa: ANN001
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    plan = _native.Plan([lambda: None, interrupt])
+    with pytest.raises(KeyboardInterrupt):
+        plan.replay(0)
+    assert plan.failed_step == 1
+
+
+def test_failed_step_is_reset_by_a_successful_replay(_native) -> None:  # noqa: ANN001
+    state = {"fail": True}
+
+    def maybe() -> None:
+        if state["fail"]:
+            raise RuntimeError("x")
+
+    plan = _native.Plan([lambda: None, maybe])
+    with pytest.raises(RuntimeError):
+        plan.replay(0)
+    assert plan.failed_step == 1
+    state["fail"] = False
+    plan.replay(0)
+    assert plan.failed_step == -1
+
+
+def test_replay_does_not_leak_references(_native) -> None:  # noqa: ANN001
+    class Step:
+        def __call__(self) -> object:
+            return object()
+
+    step = Step()
+    plan = _native.Plan([step, step])
+    before = sys.getrefcount(step)
+    for _ in range(1000):
+        plan.replay(0)
+    assert sys.getrefcount(step) == before
+    del plan
+    assert sys.getrefcount(step) == before - 2
+
+
+def test_a_callable_may_drop_the_last_reference_to_its_plan(_native) -> None:  # noqa: ANN001
+    holder: dict[str, object] = {}
+    calls: list[int] = []
+
+    def drop() -> None:
+        holder.clear()
+        calls.append(1)
+
+    holder["plan"] = _native.Plan([drop, lambda: calls.append(2)])
+    replay = holder["plan"].replay  # type: ignore[attr-defined]
+    replay(0)
+    assert calls == [1, 2]
+
+
+def test_reference_cycles_through_a_plan_are_collected(_native) -> None:  # noqa: ANN001
+    class Owner:
+        def step(self) -> None:
+            pass
+
+    owner = Owner()
+    owner.plan = _native.Plan([owner.step])  # owner -> plan -> bound method -> owner
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
+
+
+# -- graph launches need the driver ------------------------------------------------------------
+
+
+@pytest.mark.skipif(_libcuda_loadable(), reason="libcuda.so.1 is present on this machine")
+def test_a_launch_without_the_driver_raises_a_clear_error_before_any_step_runs(_native) -> None:  # noqa: ANN001
+    calls: list[str] = []
+    plan = _native.Plan([lambda: calls.append("before"), 0, lambda: calls.append("after")])
+    for _ in range(2):  # the failure is remembered, and reported the same way
+        with pytest.raises(RuntimeError, match=r"the native replay path needs the NVIDIA driver \(libcuda\.so\.1\)"):
+            plan.replay(0)
+    assert calls == []  # refused before anything ran
+    assert plan.failed_step == -1
+    with pytest.raises(bcg.ReplayError, match="libcuda"):
+        plan.replay(0)
+    with pytest.raises(bcg.ReplayError, match="libcuda"):
+        _native.load_driver()
+    with pytest.raises(bcg.ReplayError, match="libcuda"):
+        plan.upload(0)
+    assert "libcuda.so.1" in (native.driver_error() or "")
+    # a plan of callables still replays without the driver
+    _native.Plan([lambda: calls.append("ok")]).replay(0)
+    assert calls == ["ok"]
+
+
+@pytest.mark.skipif(not _libcuda_loadable(), reason="needs libcuda.so.1")
+def test_driver_loads_when_present(_native) -> None:  # noqa: ANN001
+    _native.load_driver()
+    assert native.driver_error() is None
+    assert _native.error_name(1) == "CUDA_ERROR_INVALID_VALUE"
+
+
+# -- executor selection ---------------------------------------------------------------------------
+
+
+def _plan_of_breakpoints(calls: list[str]) -> list[BreakpointStep]:
+    return [_breakpoint_step(lambda n=n: calls.append(n), n, i) for i, n in enumerate(("a", "b", "c"))]
+
+
+def test_default_executor_is_native_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BCG_NATIVE", raising=False)
+    calls: list[str] = []
+    executor = make_executor(_plan_of_breakpoints(calls))
+    assert isinstance(executor, NativeExecutor) and executor.name == "native"
+    executor.run()
+    assert calls == ["a", "b", "c"]
+    monkeypatch.setenv("BCG_NATIVE", "1")
+    assert make_executor(_plan_of_breakpoints(calls)).name == "native"
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF"])
+def test_bcg_native_0_selects_the_python_executor(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("BCG_NATIVE", value)
+    calls: list[str] = []
+    executor = make_executor(_plan_of_breakpoints(calls))
+    assert isinstance(executor, PythonExecutor) and executor.name == "python"
+    # an explicit request still gets the native executor
+    assert make_executor(_plan_of_breakpoints(calls), "native").name == "native"
+
+
+def test_explicit_executor_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BCG_NATIVE", raising=False)
+    plan = _plan_of_breakpoints([])
+    assert make_executor(plan, "python").name == "python"
+    assert make_executor(plan, "native").name == "native"
+    with pytest.raises(ValueError, match="unknown executor 'cuda'"):
+        make_executor(plan, "cuda")
+
+
+def test_native_requested_but_not_built_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_load", lambda: (None, "bcg._native is not built (test)"))
+    monkeypatch.delenv("BCG_NATIVE", raising=False)
+    plan = _plan_of_breakpoints([])
+    assert not native.available()
+    with pytest.raises(bcg.ReplayError, match=r"native executor is not available: bcg\._native is not built \(test\)"):
+        make_executor(plan, "native")
+    with pytest.raises(ImportError, match="not built"):
+        native.module()
+    assert make_executor(plan).name == "python"  # the default falls back quietly
+
+
+def test_native_executor_adds_the_same_note_as_the_python_executor() -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        calls.append("fail")
+        raise ValueError("backend unavailable")
+
+    plan = [
+        _breakpoint_step(lambda: calls.append("a"), "a", 0),
+        _breakpoint_step(fail, "flaky", 1),
+        _breakpoint_step(lambda: calls.append("c"), "c", 2),
+    ]
+    notes = {}
+    for name in ("python", "native"):
+        executor = make_executor(plan, name)
+        with pytest.raises(ValueError, match="backend unavailable") as info:
+            executor.run()
+        notes[name] = info.value.__notes__
+        assert calls == ["a", "fail"]
+        calls.clear()
+    assert notes["native"] == notes["python"]
+    assert notes["native"] == [
+        "bcg: raised by breakpoint 'flaky' during replay; the segments after it did not run "
+        "and the graph stays replayable"
+    ]
+
+
+def test_native_executor_runs_bridged_breakpoints() -> None:
+    seen: list[int] = []
+    step = BreakpointStep(spec=BreakpointSpec(fn=lambda x, y=0: seen.append(x + y), name="f"), args=(1,), kwargs={"y": 2})
+    executor = make_executor([step, step], "native")
+    executor.run()
+    assert seen == [3, 3]
+    assert executor.launches == 0
+
+
+# -- the launch loop against a fake driver ----------------------------------------------------------
+#
+# A tiny libcuda.so.1 stand-in (compiled here with the C compiler that built the
+# extension) records launches, so the C loop's launches, their order relative to
+# callables, the stream, the context fix-up for threads with no current context,
+# and the CUDA error reporting are all checked without a GPU. It runs in a
+# subprocess whose LD_LIBRARY_PATH finds the fake first.
+
+_FAKE_DRIVER = r"""
+#include <stdint.h>
+#include <stddef.h>
+typedef int CUresult;
+static __thread void *current;
+static uintptr_t launched[256];
+static int n_launched, n_retains, n_uploads;
+static void *last_stream;
+CUresult cuCtxGetCurrent(void **c) { *c = current; return 0; }
+CUresult cuCtxSetCurrent(void *c) { current = c; return 0; }
+CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal > 1) return 101; *d = ordinal; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { n_retains++; *c = (void *)(uintptr_t)(0x1000 + d); return 0; }
+CUresult cuGraphLaunch(void *exec, void *stream) {
+    if (current == NULL) return 201;
+    uintptr_t h = (uintptr_t)exec;
+    if (h == 0) return 1;
+    if (h == 400 || h == 999) return (CUresult)h;
+    if (n_launched < 256) launched[n_launched++] = h;
+    last_stream = stream;
+    return 0;
+}
+CUresult cuStreamIsCapturing(void *stream, int *status) {
+    if ((uintptr_t)stream == 0xBAD) return 400;
+    *status = (uintptr_t)stream == 0xCA ? 1 : 0; return 0;
+}
+CUresult cuGraphUpload(void *exec, void *stream) { (void)exec; (void)stream; n_uploads++; return 0; }
+static const char *name_of(CUresult e) {
+    switch (e) { case 1: return "CUDA_ERROR_INVALID_VALUE"; case 101: return "CUDA_ERROR_INVALID_DEVICE";
+                 case 201: return "CUDA_ERROR_INVALID_CONTEXT"; case 400: return "CUDA_ERROR_INVALID_HANDLE"; }
+    return NULL;
+}
+CUresult cuGetErrorName(CUresult e, const char **s) { *s = name_of(e); return *s ? 0 : 1; }
+CUresult cuGetErrorString(CUresult e, const char **s) {
+    *s = e == 1 ? "invalid argument" : e == 400 ? "invalid resource handle" : NULL; return *s ? 0 : 1;
+}
+int fake_count(void) { return n_launched; }
+uintptr_t fake_launched(int i) { return launched[i]; }
+uintptr_t fake_stream(void) { return (uintptr_t)last_stream; }
+int fake_retains(void) { return n_retains; }
+int fake_uploads(void) { return n_uploads; }
+void fake_reset(void) { n_launched = 0; last_stream = NULL; }
+"""
+
+_FAKE_DRIVER_CHECKS = r"""
+import ctypes, threading
+import pytest
+import bcg
+from bcg import native
+from bcg import replay as replay_mod
+from bcg.breakpoint_spec import BreakpointSpec
+from bcg.plan import BreakpointStep, SegmentStep
+
+nat = native.module()
+nat.load_driver()
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_launched.restype = ctypes.c_size_t
+fake.fake_stream.restype = ctypes.c_size_t
+assert nat.error_name(400) == "CUDA_ERROR_INVALID_HANDLE"
+
+def launched():
+    return [fake.fake_launched(i) for i in range(fake.fake_count())]
+
+# launches and calls interleave in plan order, on the given stream; the context is fixed once
+seen = []
+plan = nat.Plan([lambda: seen.append(fake.fake_count()), 0x10, lambda: seen.append(fake.fake_count()), 0x20])
+assert plan.launches == 2
+plan.replay(0x77, 0)
+assert launched() == [0x10, 0x20] and seen == [0, 1] and fake.fake_stream() == 0x77
+assert fake.fake_retains() == 1
+fake.fake_reset()
+plan.replay(0x78, 0)
+assert launched() == [0x10, 0x20] and fake.fake_stream() == 0x78 and fake.fake_retains() == 1
+plan.upload(0x77, 0)
+assert fake.fake_uploads() == 2
+
+# a thread with no current context: device -1 lets the driver say so; a device fixes it
+errors = []
+def in_thread(device):
+    try:
+        plan.replay(0x79, device)
+    except Exception as exc:
+        errors.append(exc)
+t = threading.Thread(target=in_thread, args=(-1,)); t.start(); t.join()
+assert len(errors) == 1 and isinstance(errors[0], bcg.ReplayError), errors
+assert "cuGraphLaunch failed at step 1: CUDA_ERROR_INVALID_CONTEXT" in str(errors[0])
+errors.clear()
+t = threading.Thread(target=in_thread, args=(0,)); t.start(); t.join()
+assert errors == [] and fake.fake_retains() == 1  # the retained primary context is reused
+t = threading.Thread(target=in_thread, args=(5,)); t.start(); t.join()
+assert len(errors) == 1 and "cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE" in str(errors[0]), errors
+
+# a capturing stream (or one the driver rejects) refuses the whole replay
+calls = []
+for stream, message in ((0xCA, "stream that is capturing a CUDA graph"), (0xBAD, "cuStreamIsCapturing failed: CUDA_ERROR_INVALID_HANDLE")):
+    fake.fake_reset()
+    with pytest.raises(bcg.ReplayError, match=message):
+        nat.Plan([lambda: calls.append("a"), 0x10]).replay(stream, 0)
+    assert calls == [] and launched() == []
+
+# launch errors name the step and the CUDA error; the steps after it do not run
+calls = []
+bad = nat.Plan([lambda: calls.append("a"), 0x10, 0, lambda: calls.append("b")])
+with pytest.raises(bcg.ReplayError, match=r"^cuGraphLaunch failed at step 2: CUDA_ERROR_INVALID_VALUE \(invalid argument\)$") as info:
+    bad.replay(0, 0)
+assert info.value.step == 2 and info.value.cuda_error == "CUDA_ERROR_INVALID_VALUE"
+assert bad.failed_step == 2 and calls == ["a"]
+with pytest.raises(RuntimeError, match="step 0: CUDA_ERROR_INVALID_HANDLE"):
+    nat.Plan([400]).replay(0, 0)
+with pytest.raises(RuntimeError, match="step 0: CUDA error 999$"):
+    nat.Plan([999]).replay(0, 0)
+
+# the executor: plain segments launch from C, RNG segments and breakpoints go through Python
+class FakeGraph:
+    def __init__(self, handle, log):
+        self.handle, self.log = handle, log
+    def raw_cuda_graph_exec(self):
+        return self.handle
+    def replay(self):
+        self.log.append(("torch replay", self.handle, fake.fake_count()))
+
+replay_mod._stream_readers = lambda: ((lambda: 0), (lambda device: 0x55))
+log = []
+plan = [
+    SegmentStep(index=0, cuda_graph=FakeGraph(0x100, log), nodes=1, kernel_nodes=1),
+    BreakpointStep(spec=BreakpointSpec(fn=lambda: log.append(("bp", fake.fake_count())), name="bp"), args=(), kwargs={}),
+    SegmentStep(index=1, cuda_graph=FakeGraph(0x200, log), nodes=1, kernel_nodes=1, uses_rng=True),
+    SegmentStep(index=2, cuda_graph=FakeGraph(0x300, log), nodes=1, kernel_nodes=1),
+]
+executor = replay_mod.make_executor(plan)
+assert executor.name == "native" and executor.launches == 2
+fake.fake_reset()
+executor.run()
+assert launched() == [0x100, 0x300] and fake.fake_stream() == 0x55
+assert log == [("bp", 1), ("torch replay", 0x200, 1)], log
+plan[3] = SegmentStep(index=2, cuda_graph=FakeGraph(0, log), nodes=1, kernel_nodes=1)
+with pytest.raises(bcg.ReplayError, match="step 3: CUDA_ERROR_INVALID_VALUE") as info:
+    replay_mod.make_executor(plan, "native").run()
+assert info.value.__notes__ == [
+    "bcg: segment 2 (plan step 3) failed to launch during a native replay; the steps before it ran "
+    "and the ones after it did not"
+]
+print("FAKE DRIVER CHECKS OK")
+"""
+
+
+@pytest.mark.skipif(_libcuda_loadable(), reason="a real libcuda.so.1 is present: the GPU tests cover this")
+def test_launch_loop_against_a_fake_driver(_native, tmp_path) -> None:  # noqa: ANN001
+    import os
+    import shutil
+    import subprocess
+    import sysconfig
+
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) to build the fake driver")
+    src = tmp_path / "fake_cuda.c"
+    src.write_text(_FAKE_DRIVER)
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+    script = tmp_path / "checks.py"
+    script.write_text(_FAKE_DRIVER_CHECKS)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env.pop("BCG_NATIVE", None)
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAKE DRIVER CHECKS OK" in result.stdout
