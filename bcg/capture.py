@@ -18,10 +18,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from bcg import cudart
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.bridge import BridgeSet, tensor_storages
+from bcg.debug import Guards, Poison, env_flag
 from bcg.errors import BcgError, CaptureError, add_note, HostSyncInCaptureError, NestedCaptureError
 from bcg.live import _UNSET, reset_live, set_live
 from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle
@@ -183,7 +185,11 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     (see :mod:`bcg.ownership`; ``"pool"`` lets graphs sharing a pool reuse each
     other's memory). ``after_breakpoint(tensors)`` is called inside the segment
     after each breakpoint with the tensors crossing it (bridges and mutated
-    arguments); its CUDA work is captured there. Constraints: warm the code up eagerly first (lazy init must not
+    arguments); its CUDA work is captured there. ``inputs`` names the static
+    inputs for guards; ``guards`` (default: env ``BCG_GUARDS``) checks before each
+    replay that they and every breakpoint argument keep their captured address
+    and layout; ``poison`` (default: env ``BCG_POISON``) fills the pool's free
+    memory with NaN before each replay (see :mod:`bcg.debug`). Constraints: warm the code up eagerly first (lazy init must not
     happen inside a segment); code between breakpoints must be capturable (no
     ``.item()``, no pageable host copies, no data-dependent host control flow);
     graphs sharing a pool must not replay concurrently, and a graph's outputs are
@@ -200,6 +206,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         live: Any = _UNSET,
         ownership: Ownership = "graph",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
+        inputs: Any = None,
+        guards: bool | None = None,
+        poison: bool | None = None,
     ) -> None:
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
@@ -212,6 +221,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._live = live
         self._ownership: Ownership = ownership
         self._after_breakpoint = after_breakpoint
+        self._inputs = inputs
+        self._guards = env_flag("BCG_GUARDS") if guards is None else guards
+        self._poison = env_flag("BCG_POISON") if poison is None else poison
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -273,6 +285,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 capture_s=capture_s,
                 pool_ref=session.pool_ref,
                 keepalive=session.empty_segments,
+                guards=self._build_guards(session) if self._guards else None,
+                poison=self._build_poison(session) if self._poison else None,
             )
             log.info(
                 "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
@@ -284,6 +298,31 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         if translated is exc:
             return False
         raise translated from exc
+
+    def _build_guards(self, session: CaptureSession) -> Guards:
+        guards = Guards()
+        if self._inputs is not None:
+            for i, x in enumerate(self._inputs if isinstance(self._inputs, (tuple, list)) else (self._inputs,)):
+                guards.add(f"static input {i}", x)
+        for step in session.plan:
+            if isinstance(step, BreakpointStep):
+                for i, a in enumerate(step.args):
+                    guards.add(f"argument {i} of breakpoint {step.name!r}", a)
+                for k, a in step.kwargs.items():
+                    guards.add(f"argument {k!r} of breakpoint {step.name!r}", a)
+        return guards
+
+    def _build_poison(self, session: CaptureSession) -> Poison:
+        membership = PoolMembership(session.pool, session.device)
+        held: dict[int, torch.Tensor] = {}
+        for step in session.plan:
+            if isinstance(step, BreakpointStep):
+                bridges = step.bridges.tensors() if step.bridges is not None else []
+                for t in pytree.tree_leaves((step.args, step.kwargs, bridges)):
+                    if isinstance(t, torch.Tensor) and membership.contains(t):
+                        held.setdefault(id(t), t)
+        log.warning("bcg: poison mode is on: free pool memory is filled with NaN before every replay (slow)")
+        return Poison(session.pool, session.device, list(held.values()))
 
     def _restore(self) -> None:
         if self._live_token is not None:

@@ -7,6 +7,7 @@ mode, so a region with no tensor work is not a segment, as in graph mode.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.plan import BreakpointStep, SegmentStep, Step
+
+log = logging.getLogger("bcg")
 
 
 class _OpCounter(TorchDispatchMode):
@@ -69,6 +72,7 @@ class EagerRecorder:
             self._counter.counting = True
         self.plan.append(BreakpointStep(spec=spec, args=(), kwargs={}, index=self._breakpoints))
         self._breakpoints += 1
+        log.debug("breakpoint %r after segment %d (eager mode)", spec.name, self._segments - 1)
         return result
 
     def graph_break(self) -> None:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.profiler as _profiler
 
+from bcg import cudart
+from bcg.debug import Guards, Poison
 from bcg.errors import ReplayError
 from bcg.live import _UNSET, reset_live, set_live
 from bcg.memory import PoolHandle, PoolAnchor, pool_bytes
 from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.replay import PythonExecutor, make_executor
+from bcg.replay import Executor, make_executor
 
 log = logging.getLogger("bcg")
 
@@ -47,7 +51,7 @@ class BreakableGraph:
 
     def __init__(self) -> None:
         self._plan: tuple[Step, ...] = ()
-        self._executor: PythonExecutor | None = None
+        self._executor: Executor | None = None
         self._mode = "graph"
         self._pool: PoolHandle | None = None
         self._device: int | None = None
@@ -56,6 +60,10 @@ class BreakableGraph:
         self._rerun: Callable[[], None] | None = None
         self._pool_ref: PoolAnchor | None = None
         self._keepalive: list[torch.cuda.CUDAGraph] = []
+        self._guards: Guards | None = None
+        self._poison: Poison | None = None
+        self._fn: Callable[..., Any] | None = None
+        self._static_args: tuple[Any, ...] = ()
         self.outputs: Any = None
 
     # -- filled by capture / make_graph ----------------------------------------------
@@ -70,7 +78,11 @@ class BreakableGraph:
         rerun: Callable[[], None] | None = None,
         pool_ref: PoolAnchor | None = None,
         keepalive: Sequence[torch.cuda.CUDAGraph] = (),
+        guards: Guards | None = None,
+        poison: Poison | None = None,
     ) -> None:
+        self._guards = guards if guards else None
+        self._poison = poison
         self._plan = tuple(plan)
         self._pool_ref = pool_ref
         self._keepalive = list(keepalive)
@@ -168,10 +180,17 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{self._device} but the current device is "
                 f"cuda:{torch.cuda.current_device()}: replay it under torch.cuda.device({self._device})"
             )
+        if self._guards is not None:
+            self._guards.check()
+        if self._poison is not None:
+            self._poison.apply()
         token = set_live(live) if live is not _UNSET else None
         try:
             if executor is not None:
-                executor.run()
+                if _profiler._is_profiler_enabled:
+                    self._run_profiled()
+                else:
+                    executor.run()
             else:
                 assert self._rerun is not None
                 self._rerun()
@@ -179,6 +198,13 @@ class BreakableGraph:
             if token is not None:
                 reset_live(token)
         return self.outputs
+
+    def _run_profiled(self) -> None:
+        """Replay with a ``record_function`` range per step (only while a profiler runs)."""
+        for step in self._plan:
+            label = f"bcg.segment[{step.index}]" if isinstance(step, SegmentStep) else f"bcg.breakpoint:{step.name}"
+            with torch.profiler.record_function(label):
+                step.launch()
 
     def _not_captured_message(self) -> str:
         if self._was_reset:
@@ -200,6 +226,9 @@ class BreakableGraph:
         self._plan = ()
         self._executor = None
         self._rerun = None
+        self._guards = None
+        self._poison = None
+        self._fn, self._static_args = None, ()
         for empty in self._keepalive:
             empty.reset()
         self._keepalive = []
@@ -211,6 +240,38 @@ class BreakableGraph:
         if graph_mode and torch.cuda.is_available():
             torch.cuda.empty_cache()  # return the pool's now-free blocks to the driver
         log.debug("bcg: graph reset")
+
+    def describe(self) -> str:
+        """A readable table of the plan: step, kind, name, nodes, bridge bytes; pool bytes last."""
+        rows = [("step", "kind", "name", "kernel nodes", "nodes", "bridge bytes")]
+        for i, step in enumerate(self._plan):
+            if isinstance(step, SegmentStep):
+                kernels = "-" if step.kernel_nodes is None else str(step.kernel_nodes)
+                rows.append((str(i), "segment", f"segment[{step.index}]" + (" (rng)" if step.uses_rng else ""), kernels, str(step.nodes), ""))
+            else:
+                nbytes = step.bridges.nbytes if step.bridges is not None else 0
+                rows.append((str(i), "breakpoint", step.name, "", "", str(nbytes)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        st = self.stats()
+        lines.append(
+            f"{st.segments} segments, {st.breakpoints} breakpoints, pool {st.pool_bytes / 2**20:.2f} MiB, "
+            f"bridges {st.bridge_bytes / 2**20:.2f} MiB, captured in {st.capture_s:.3f} s ({st.mode} mode)"
+        )
+        return "\n".join(lines)
+
+    def dump_dot(self, directory: str | os.PathLike[str]) -> list[str]:
+        """Write one DOT file per segment (``cudaGraphDebugDotPrint``); return their paths."""
+        if self._mode != "graph" or self._executor is None:
+            raise ReplayError("dump_dot needs a graph captured in graph mode")
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for seg in self.segments:
+            path = os.path.join(os.fspath(directory), f"segment_{seg.index:03d}.dot")
+            cudart.dot_print(seg.graph_handle, path)
+            paths.append(path)
+        return paths
 
     def __repr__(self) -> str:
         state = "captured" if self.is_captured else ("reset" if self._was_reset else "empty")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from bcg.live import _UNSET, live_scope
 from bcg.memory import PoolHandle
 from bcg.recorder import ACTIVE
 
+log = logging.getLogger("bcg")
+
 _MODES = ("graph", "eager")
 
 
@@ -29,6 +32,9 @@ def make_graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     warmup: int = 1,
+    ownership: str = "graph",
+    guards: bool | None = None,
+    poison: bool | None = None,
 ) -> BreakableGraph:
     """Capture ``fn(*static_args)`` and return the graph; its result is ``graph.outputs``.
 
@@ -39,6 +45,8 @@ def make_graph(
     debugging and machines with no CUDA). Without CUDA, ``mode="graph"`` falls
     back to eager mode with a warning. Constraints: feed new inputs by writing
     into ``static_args`` in place; ``fn`` must return the same structure every run.
+    ``ownership``, ``guards`` and ``poison`` are passed to :class:`bcg.capture`
+    (``static_args`` are the guarded inputs).
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
@@ -67,6 +75,11 @@ def make_graph(
 
         graph._install(recorder.plan, pool=None, device=None, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun)
         graph.outputs = outputs
+        graph._fn, graph._static_args = fn, static_args
+        log.info(
+            "bcg: recorded %d segment(s) and %d breakpoint(s) in eager mode in %.3f s",
+            graph.num_segments, graph.num_breakpoints, graph.stats().capture_s,
+        )
         return graph
 
     stream = stream if stream is not None else torch.cuda.Stream()
@@ -74,8 +87,19 @@ def make_graph(
     with torch.cuda.stream(stream), live_ctx:
         for _ in range(warmup):
             fn(*static_args)
-    with capture(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode, live=live):
+    with capture(
+        graph,
+        pool=pool,
+        stream=stream,
+        capture_error_mode=capture_error_mode,
+        live=live,
+        ownership=ownership,  # type: ignore[arg-type]
+        inputs=static_args,
+        guards=guards,
+        poison=poison,
+    ):
         outputs = fn(*static_args)
     graph.outputs = outputs
+    graph._fn, graph._static_args = fn, static_args
     return graph
 

@@ -54,6 +54,20 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     out[:n].copy_(_attend(q, k, v, lengths))
 
 
+def attention_into_unmarked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """The same attention, *not* marked as a breakpoint, and capturable (a per-request SDPA
+    loop with Python slicing): captured, it silently replays the capture-time lengths."""
+    lengths = bcg.live()["lengths"]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    start = 0
+    for length in lengths:
+        sl = slice(start, start + length)
+        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True)
+        out[sl].copy_(o.transpose(0, 1))
+        start += length
+
+
 @bcg.breakpoint
 def attention_returning(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     lengths = bcg.live()["lengths"]
@@ -85,8 +99,10 @@ class TinyLlama(torch.nn.Module):
         device: str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
         returning: bool = False,
+        forget_layer: int | None = None,
     ) -> None:
         super().__init__()
+        self.forget_layer = forget_layer
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.returning = returning
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -115,14 +131,17 @@ class TinyLlama(torch.nn.Module):
         cos = freqs.cos().to(x.dtype)[:, None, :]
         sin = freqs.sin().to(x.dtype)[:, None, :]
         h = x
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             y = rms_norm(h, layer.norm1)
             qkv = F.linear(y, layer.qkv)
             q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
             q = rope(q.view(t, self.heads, self.head_dim), cos, sin)
             k = rope(k.view(t, self.kv_heads, self.head_dim), cos, sin)
             v = v.reshape(t, self.kv_heads, self.head_dim)
-            if self.returning:
+            if i == self.forget_layer:
+                a = torch.empty_like(q)
+                attention_into_unmarked(q, k, v, a)
+            elif self.returning:
                 a = attention_returning(q, k, v)
             else:
                 a = torch.empty_like(q)
