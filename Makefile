@@ -30,7 +30,7 @@ test-cuda: $(STAMP)
 	$(PY) -m pytest -q -m cuda
 
 bench: $(STAMP)
-	$(PY) -m bcg.bench --out benchmarks/results/run
+	$(PY) -m bcg.bench --out benchmarks/results/run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info bcg/*.so

@@ -1,0 +1,54 @@
+"""What a workload hands to a mode: one benchmark point, ready to build and run.
+
+A :class:`Case` is one (workload, attention, T) point. Its forward is built
+around a *breakpoint callable* so that every mode runs the same kernels:
+
+* ``bp`` - the ``@bcg.breakpoint`` function; reads per-replay data from
+  :func:`bcg.live` (modes ``eager``, ``bcg``, ``bcg-eager``, ...);
+* ``bp_raw`` - the same function undecorated (for peers' own decorators);
+* ``bp_frozen`` - the same work with the live values frozen at build time and
+  no host-only steps, so it can be captured inside one CUDA graph (``floor``).
+
+Modes call ``case.forward(bp)`` to get a function of ``*case.static_args``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class Case:
+    workload: str
+    attn: str | None  # None for workloads without an attention choice
+    T: int | None  # tokens (None where it does not apply)
+    device: torch.device
+    static_args: tuple[torch.Tensor, ...]
+    live: Any
+    make_forward: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]]
+    bp: Callable[..., Any]
+    bp_raw: Callable[..., Any]
+    bp_frozen: Callable[..., Any]
+    num_breaks: int
+    # writes fresh (True) or the original (False) random inputs into the static buffers
+    write_inputs: Callable[[bool], None]
+    fields: dict[str, Any] = field(default_factory=dict)  # extra row fields (shape, lengths, ...)
+    iters: int | None = None  # timed replays for this case (None: --iters)
+    # workload-specific measures added to each row (row, timing context) -> None
+    finish_row: Callable[[dict[str, Any]], None] | None = None
+
+    def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+        return self.make_forward(bp)
+
+    @property
+    def label(self) -> str:
+        parts = [self.workload]
+        if self.attn:
+            parts.append(self.attn)
+        if self.T is not None:
+            parts.append(f"T={self.T}")
+        return " ".join(parts)

@@ -1,0 +1,293 @@
+"""``bcg-bench`` / ``python -m bcg.bench``: measure bcg against eager, one CUDA graph, and peers.
+
+For every workload point (e.g. llama, attn=varlen, T=512) and every mode, in one
+process on the same inputs: build (capture), time the first replay, run
+``--warmup`` untimed replays, time ``--iters`` replays with a synchronized host
+wall clock (see :mod:`bcg.bench.timing`), then write fresh random inputs into
+the static input buffers, replay once more and compare with an eager reference
+on those inputs (``rel_err``). Each mode is freed before the next is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bcg
+from bcg.bench import report
+from bcg.bench.case import Case
+from bcg.bench.modes import MODES, BuildContext, skip_reason
+from bcg.bench.timing import rel_err, sample_ms, summarize, sync_fn, timed_ms
+from bcg.bench.workloads import WORKLOADS
+
+NO_CUDA_MESSAGE = (
+    "bcg-bench: CUDA is not available here, and graph timings need an NVIDIA GPU.\n"
+    "bcg-bench: running a smoke test instead: the llama workload at the tiny shape in modes "
+    "eager and bcg-eager only (CPU timings say nothing about CUDA graphs)."
+)
+CPU_MODES = ("eager", "bcg-eager")
+GPU_ITERS, CPU_ITERS = 30, 5
+TIMING_NOTE = (
+    "each sample: torch.cuda.synchronize(); t0=perf_counter(); replay(); torch.cuda.synchronize(); "
+    "t1 -- host wall clock, so host launch/breakpoint work and GPU idle gaps count; median/min over --iters "
+    "samples after --warmup untimed replays; first_replay_ms is the first replay after capture"
+)
+
+
+def _names(kind: str, known: Sequence[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if values == ["all"]:
+            return list(known)
+        bad = [v for v in values if v not in known]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(bad) or repr(text)}; choose a comma-separated subset of {','.join(known)}"
+            )
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bcg-bench",
+        description="Benchmark breakable CUDA graphs (bcg) against eager, one CUDA graph (floor) and peer libraries.",
+        epilog=f"Timing: {TIMING_NOTE}.",
+    )
+    p.add_argument("--workload", type=_names("workload", list(WORKLOADS)), default=list(WORKLOADS),
+                   help=f"comma-separated workloads (default {','.join(WORKLOADS)})")
+    p.add_argument("--modes", type=_names("mode", list(MODES)), default=None,
+                   help=f"comma-separated modes (default all: {','.join(MODES)})")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed replays per row (default {GPU_ITERS}; {CPU_ITERS} without CUDA)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed replays before timing (default 3)")
+    p.add_argument("--capture-warmup", type=int, default=1,
+                   help="eager runs on the capture stream before each capture (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and request lengths")
+    p.add_argument("--out", type=Path, help="write DIR/bench.json and DIR/bench.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list workloads and modes, then exit")
+    for module in WORKLOADS.values():
+        module.add_arguments(p)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.iters is not None and args.iters < 1:
+        parser.error("--iters must be at least 1")
+    if args.warmup < 0 or args.capture_warmup < 0:
+        parser.error("--warmup and --capture-warmup must be >= 0")
+    return args
+
+
+def _list() -> str:
+    lines = ["workloads:"]
+    lines += [f"  {name:22} {(m.__doc__ or '').strip().splitlines()[0]}" for name, m in WORKLOADS.items()]
+    lines.append("modes:")
+    lines += [f"  {name:22} {spec.help}" for name, spec in MODES.items()]
+    return "\n".join(lines)
+
+
+def _cleanup(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _reference(case: Case, sync: Any) -> torch.Tensor:
+    """Eager output on the fresh inputs (after one eager warm-up run)."""
+    fn = case.forward(case.bp)
+    with bcg.live_scope(case.live):
+        fn(*case.static_args)
+        case.write_inputs(True)
+        ref = fn(*case.static_args).detach().clone()
+        case.write_inputs(False)
+    sync()
+    return ref
+
+
+def _measure(case: Case, mode: str, ref: torch.Tensor, ctx: BuildContext, iters: int, warmup: int, sync: Any) -> dict[str, Any]:
+    built = MODES[mode].build(case, ctx)
+    try:
+        first = timed_ms(built.run, sync)
+        samples = sample_ms(built.run, sync, iters=iters, warmup=warmup)
+        case.write_inputs(True)
+        out = built.run()
+        sync()
+        err = rel_err(out, ref)
+        case.write_inputs(False)
+        del out
+    finally:
+        built.close()
+    stats = summarize(samples)
+    row: dict[str, Any] = {
+        "workload": case.workload,
+        "attn": case.attn,
+        "mode": mode,
+        "T": case.T,
+        "ms_median": stats["ms_median"],
+        "ms_min": stats["ms_min"],
+        "first_replay_ms": first,
+        "ratio_to_floor": None,
+        "capture_s": built.capture_s,
+        "pool_mib": None if built.pool_bytes is None else built.pool_bytes / 2**20,
+        "extra_us_per_break": None,
+        "rel_err": err,
+        "ms_mean": stats["ms_mean"],
+        "iters": iters,
+        "breaks": case.num_breaks,
+        **case.fields,
+        **built.info,
+    }
+    return row
+
+
+def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
+    floor = next((r for r in rows if r["mode"] == "floor"), None)
+    for row in rows:
+        if floor is not None and floor["ms_median"] > 0:
+            row["ratio_to_floor"] = row["ms_median"] / floor["ms_median"]
+            row["extra_us_per_break"] = (row["ms_median"] - floor["ms_median"]) * 1e3 / max(case.num_breaks, 1)
+        if case.finish_row is not None:
+            case.finish_row(row)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print(_list())
+        return 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    notes: list[str] = []
+    skipped: list[dict[str, str]] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        print(f"bcg-bench: {text}", flush=True)
+
+    requested = args.modes if args.modes is not None else list(MODES)
+    if not cuda:
+        print(NO_CUDA_MESSAGE, flush=True)
+        notes.append(NO_CUDA_MESSAGE.replace("bcg-bench: ", "").replace("\n", " "))
+        if args.shape != "tiny":
+            args.shape = "tiny"
+        if args.modes is None:
+            requested = list(CPU_MODES)
+    modes: list[str] = []
+    for mode in requested:
+        reason = skip_reason(mode, cuda)
+        if reason:
+            skipped.append({"mode": mode, "reason": reason})
+            note(f"mode {mode} skipped: {reason}")
+        else:
+            modes.append(mode)
+    workloads: list[str] = []
+    for name in args.workload:
+        if WORKLOADS[name].NEEDS_CUDA and not cuda:
+            skipped.append({"workload": name, "reason": "needs an NVIDIA GPU"})
+            note(f"workload {name} skipped: needs an NVIDIA GPU")
+        else:
+            workloads.append(name)
+    iters = args.iters or (GPU_ITERS if cuda else CPU_ITERS)
+    sync = sync_fn(device)
+    ctx = BuildContext(capture_warmup=args.capture_warmup)
+
+    env = report.environment()
+    config: dict[str, Any] = {
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "workloads": workloads,
+        "modes": modes,
+        "iters": iters,
+        "warmup": args.warmup,
+        "capture_warmup": args.capture_warmup,
+        "seed": args.seed,
+        "timing": TIMING_NOTE,
+        "bcg_version": bcg.__version__,
+    }
+    for name in workloads:
+        config[name] = WORKLOADS[name].config(args, device)
+
+    out_dir: Path | None = args.out
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+
+    def save() -> None:
+        if out_dir is not None:
+            report.write_json(out_dir / "bench.json", env, config, rows,
+                              {"skipped": skipped, "errors": errors, "notes": notes})
+
+    plan = [(name, point) for name in workloads for point in WORKLOADS[name].points(args)]
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=len(plan) * len(modes), disable=args.no_progress or not modes, file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.1 if tty else 30.0, unit="row")
+    try:
+        for name in workloads:
+            module = WORKLOADS[name]
+            bar.set_description(f"{name}: setup", refresh=tty)
+            t0 = time.perf_counter()
+            state = module.setup(args, device)
+            nbytes = getattr(state, "nbytes", None)
+            if nbytes:
+                size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+                bar.write(f"bcg-bench: {name}: weights {size} built in {time.perf_counter() - t0:.1f} s")
+            for attn, T in module.points(args):
+                case = module.make_case(state, args, device, attn, T)
+                bar.set_description(f"{case.label}: eager reference", refresh=tty)
+                ref = _reference(case, sync)
+                case_rows: list[dict[str, Any]] = []
+                for mode in modes:
+                    bar.set_description(f"{case.label}: {mode}", refresh=tty)
+                    try:
+                        case_rows.append(_measure(case, mode, ref, ctx, case.iters or iters, args.warmup, sync))
+                    except Exception as exc:  # keep going: one failing mode must not lose the run
+                        errors.append({"workload": case.workload, "attn": case.attn, "T": case.T, "mode": mode,
+                                       "error": f"{type(exc).__name__}: {exc}"})
+                        bar.write(f"bcg-bench: {case.label} {mode} FAILED: {type(exc).__name__}: {exc}")
+                    finally:
+                        _cleanup(cuda)
+                    bar.update()
+                _finish_case(case, case_rows)
+                rows.extend(case_rows)
+                summary = ", ".join(f"{r['mode']} {r['ms_median']:.3f}" for r in case_rows)
+                bar.write(f"bcg-bench: {case.label}: median ms: {summary}")
+                save()
+                del case, ref
+                _cleanup(cuda)
+            del state
+            _cleanup(cuda)
+    finally:
+        bar.close()
+    print()
+    print(report.format_table(rows) if rows else "bcg-bench: no rows")
+    print(f"\ntiming: {TIMING_NOTE}")
+    if not cuda:
+        print("bcg-bench: graph timings need an NVIDIA GPU; this was an eager smoke run (exit 0).")
+    save()
+    if out_dir is not None:
+        title = f"{env['gpu']} | torch {env['torch']} | bcg {env['commit']} | {env['date']}"
+        report.write_png(out_dir / "bench.png", rows, title=title)
+        print(f"bcg-bench: wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    if errors:
+        print(f"bcg-bench: {len(errors)} row(s) failed; see 'errors' in bench.json", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""Modes: the ways of running a :class:`~bcg.bench.case.Case`, in a registry.
+
+To add a mode, write one function ``build(case, ctx) -> Built`` and decorate it
+with :func:`register_mode`; ``--modes`` and the report pick it up. ``Built.run``
+performs one forward (a replay) on the current stream and returns the output
+tensor; ``Built.close`` frees what the mode holds (graphs, pools).
+
+Each mode is built, measured and closed before the next one starts, so at most
+one mode's graphs hold memory at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import bcg
+from bcg.bench.case import Case
+
+
+@dataclass(eq=False)
+class BuildContext:
+    """Settings every mode may need."""
+
+    capture_warmup: int = 1  # eager runs on the capture stream before a capture
+
+
+@dataclass(eq=False)
+class Built:
+    run: Callable[[], torch.Tensor]
+    capture_s: float | None = None
+    pool_bytes: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # extra row fields (executor, segments, ...)
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    build: Callable[[Case, BuildContext], Built]
+    needs_cuda: bool
+    help: str
+    # returns None when the mode can run here, else why it is skipped
+    available: Callable[[], str | None]
+
+
+MODES: dict[str, ModeSpec] = {}
+
+
+def register_mode(
+    name: str,
+    *,
+    needs_cuda: bool = True,
+    help: str = "",  # noqa: A002
+    available: Callable[[], str | None] | None = None,
+) -> Callable[[Callable[[Case, BuildContext], Built]], Callable[[Case, BuildContext], Built]]:
+    """Register ``build`` as mode ``name`` (order of registration = order of runs)."""
+
+    def deco(build: Callable[[Case, BuildContext], Built]) -> Callable[[Case, BuildContext], Built]:
+        if name in MODES:
+            raise ValueError(f"bench mode {name!r} is registered twice")
+        MODES[name] = ModeSpec(name, build, needs_cuda, help, available or (lambda: None))
+        return build
+
+    return deco
+
+
+def skip_reason(name: str, cuda: bool) -> str | None:
+    """Why mode ``name`` cannot run on this machine, or None."""
+    spec = MODES[name]
+    if spec.needs_cuda and not cuda:
+        return "needs an NVIDIA GPU"
+    return spec.available()
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int, live: Any) -> torch.cuda.Stream:
+    """Run ``fn`` ``n`` times on a fresh side stream (as before any CUDA graph capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), bcg.live_scope(live):
+        for _ in range(n):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    return stream
+
+
+def has_native_executor() -> bool:
+    """Whether this install can build the ``"native"`` replay executor."""
+    from bcg.replay import make_executor
+
+    try:
+        make_executor((), "native")
+    except Exception:
+        return False
+    return True
+
+
+def _native_reason() -> str | None:
+    return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
+
+
+def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
+    graph = bcg.make_graph(
+        case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup
+    )
+    if executor is not None:
+        graph.use_executor(executor)
+    torch.cuda.synchronize()
+    stats = graph.stats()
+    live = case.live
+    replay = graph.replay
+    return Built(
+        run=lambda: replay(live=live),
+        capture_s=stats.capture_s,
+        pool_bytes=stats.pool_bytes,
+        info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
+        close=graph.reset,
+    )
+
+
+# -- the modes ------------------------------------------------------------------------------
+
+
+@register_mode("eager", needs_cuda=False, help="plain eager run; breakpoints are plain calls (bcg.live_scope)")
+def build_eager(case: Case, ctx: BuildContext) -> Built:
+    fn = case.forward(case.bp)
+    args, live = case.static_args, case.live
+
+    def run() -> torch.Tensor:
+        with bcg.live_scope(live):
+            return fn(*args)
+
+    return Built(run=run)
+
+
+@register_mode("floor", help="the same kernels in ONE torch.cuda.CUDAGraph, live values frozen at capture")
+def build_floor(case: Case, ctx: BuildContext) -> Built:
+    fn = case.forward(case.bp_frozen)
+    args = case.static_args
+    stream = capture_stream_warmup(fn, args, ctx.capture_warmup, case.live)
+    pool = torch.cuda.graph_pool_handle()
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(g, pool=pool, stream=stream):
+        out = fn(*args)
+    capture_s = time.perf_counter() - t0
+    from bcg.memory import pool_bytes
+
+    held = {"g": g, "out": out}
+
+    def run() -> torch.Tensor:
+        held["g"].replay()
+        return held["out"]
+
+    def close() -> None:
+        torch.cuda.synchronize()
+        held["g"].reset()
+        held.clear()
+
+    return Built(
+        run=run,
+        capture_s=capture_s,
+        pool_bytes=pool_bytes(pool, torch.cuda.current_device()),
+        info={"segments": 1, "breakpoints": 0},
+        close=close,
+    )
+
+
+@register_mode("bcg", help="bcg.BreakableGraph (make_graph), default executor")
+def build_bcg(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_graph(case, ctx, None)
+
+
+@register_mode(
+    "bcg-python",
+    help="bcg.BreakableGraph with use_executor('python') (only when a native executor exists)",
+    available=_native_reason,
+)
+def build_bcg_python(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_graph(case, ctx, "python")
+
+
+@register_mode("bcg-eager", needs_cuda=False, help="bcg.make_graph(..., mode='eager'): re-runs the function")
+def build_bcg_eager(case: Case, ctx: BuildContext) -> Built:
+    graph = bcg.make_graph(case.forward(case.bp), *case.static_args, mode="eager", live=case.live)
+    stats = graph.stats()
+    live = case.live
+    replay = graph.replay
+    return Built(
+        run=lambda: replay(live=live),
+        capture_s=stats.capture_s,
+        pool_bytes=None,
+        info={"segments": stats.segments, "breakpoints": stats.breakpoints},
+        close=graph.reset,
+    )
+
+
+# The peers register themselves as modes too (after ours, so they run last).
+from bcg.bench import peers as _peers  # noqa: E402,F401

@@ -1,0 +1,63 @@
+"""Timing: a synchronized host wall clock around each replay.
+
+Every measured call is ``sync(); t0 = perf_counter(); fn(); sync(); t1``, where
+``sync`` is ``torch.cuda.synchronize`` (a no-op without CUDA). A sample is thus
+the end-to-end latency of one forward as a caller sees it: host launch work,
+eager breakpoint work, GPU execution, and any GPU idle gap while the host falls
+behind, plus one synchronize (a few microseconds). CUDA events would hide the
+host side, which is exactly what breakable graphs are about, so we do not use them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    """``torch.cuda.synchronize`` for a CUDA device, else a no-op."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def timed_ms(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Milliseconds of one synchronized call of ``fn``."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sample_ms(fn: Callable[[], Any], sync: Callable[[], None], iters: int, warmup: int = 0) -> list[float]:
+    """``warmup`` untimed calls, then ``iters`` synchronized samples (ms)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    return [timed_ms(fn, sync) for _ in range(iters)]
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    return {
+        "ms_median": statistics.median(samples),
+        "ms_min": min(samples),
+        "ms_mean": statistics.fmean(samples),
+    }
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|out - ref| / max|ref|`` in float32; exactly 0.0 when the tensors are equal."""
+    out = out.detach().float()
+    ref = ref.detach().float()
+    if out.shape != ref.shape:
+        return float("inf")
+    if torch.equal(out, ref):
+        return 0.0
+    scale = ref.abs().max().item()
+    diff = (out - ref).abs().max().item()
+    return diff / scale if scale > 0 else diff

@@ -1,0 +1,356 @@
+"""``llama``: prefill of a Llama-style decoder with random weights, attention as a breakpoint.
+
+The model (RMSNorm, RoPE, GQA, SwiGLU; default 8B shape) is built once with
+random weights (bf16 on the GPU, float32 on CPU) and reused for every mode and T.
+The input is hidden states ``[T, hidden]`` (no embedding) plus positions, for a
+batch of ``--requests`` prefill requests whose random lengths (seeded, fixed per
+T) sum to T.
+
+Attention is one ``@bcg.breakpoint`` per layer. It reads the request lengths
+from :func:`bcg.live` and writes into a preallocated output argument in place
+(no bridge copy). Implementations (``--attn``):
+
+* ``varlen`` - one ``torch.nn.attention.varlen.varlen_attn`` call (causal); the
+  breakpoint's host work builds ``cu_seqlens`` (int32, pinned, non-blocking copy)
+  from the live lengths. Without CUDA (or without ``varlen_attn``) it falls back
+  to the per-request SDPA loop; rows say which backend ran (``attn_backend``).
+* ``loop`` - a per-request causal ``F.scaled_dot_product_attention`` loop (host heavy).
+
+GQA: the KV heads are repeated to the query heads first (``repeat_interleave``
+over the head dimension, written as expand+reshape: one copy kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import bcg
+from bcg.bench.case import Case
+
+NAME = "llama"
+NEEDS_CUDA = False
+
+SHAPES: dict[str, dict[str, int]] = {
+    "8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336},
+    "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
+}
+ATTN = ("varlen", "loop")
+ROPE_THETA = 500000.0
+NORM_EPS = 1e-5
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # older torch
+    _varlen_attn = None
+
+
+def _causal_kwargs() -> dict[str, Any] | None:
+    """How this torch's ``varlen_attn`` is asked for causal masking (None: not understood)."""
+    if _varlen_attn is None:
+        return None
+    params = inspect.signature(_varlen_attn).parameters
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return {"is_causal": True}
+    return None
+
+
+_CAUSAL = _causal_kwargs()
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def attn_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ATTN]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--attn takes a comma-separated subset of {','.join(ATTN)}, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("llama workload")
+    g.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                   help="model shape preset (default 8b; CPU runs always start from tiny)")
+    g.add_argument("--layers", type=int, help="override: decoder layers (= breakpoints)")
+    g.add_argument("--hidden", type=int, help="override: hidden size")
+    g.add_argument("--heads", type=int, help="override: query heads")
+    g.add_argument("--kv-heads", type=int, help="override: key/value heads (GQA)")
+    g.add_argument("--head-dim", type=int, help="override: head dim (default hidden // heads)")
+    g.add_argument("--intermediate", type=int, help="override: SwiGLU intermediate size")
+    g.add_argument("--tokens", type=int_list, default=[128, 512, 2048],
+                   help="comma-separated T values (total tokens of the batch; default 128,512,2048)")
+    g.add_argument("--requests", type=int, default=4, help="requests per batch (default 4)")
+    g.add_argument("--attn", type=attn_list, default=list(ATTN),
+                   help="attention implementations: varlen,loop (default both)")
+
+
+def shape(args: argparse.Namespace) -> dict[str, int]:
+    """The model shape: the preset with any per-field overrides; head_dim defaults to hidden // heads."""
+    out = dict(SHAPES[args.shape])
+    for key in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    out["head_dim"] = args.head_dim if getattr(args, "head_dim", None) else out["hidden"] // out["heads"]
+    if out["heads"] % out["kv_heads"]:
+        raise ValueError(f"heads ({out['heads']}) must be a multiple of kv_heads ({out['kv_heads']})")
+    return out
+
+
+def request_lengths(T: int, requests: int, seed: int) -> list[int]:
+    """``requests`` random positive lengths summing to ``T``; the same for the same (T, requests, seed)."""
+    if T < requests:
+        raise ValueError(f"T={T} is smaller than the number of requests ({requests})")
+    rng = random.Random(seed * 1_000_003 + T * 7919 + requests)
+    cuts = sorted(rng.sample(range(1, T), requests - 1))
+    bounds = [0, *cuts, T]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def points(args: argparse.Namespace) -> list[tuple[str | None, int | None]]:
+    return [(attn, T) for attn in args.attn for T in args.tokens]
+
+
+def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    return {
+        "shape_preset": args.shape,
+        "shape": shape(args),
+        "dtype": str(_dtype(device)).replace("torch.", ""),
+        "tokens": list(args.tokens),
+        "requests": args.requests,
+        "attn": list(args.attn),
+        "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
+    }
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The live metadata of one replay: the request lengths (host ints)."""
+
+    lengths: tuple[int, ...]
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class LlamaModel:
+    """A Llama-style decoder stack with random weights (no embedding, no LM head)."""
+
+    def __init__(self, shape: dict[str, int], device: torch.device, max_pos: int, seed: int = 0) -> None:
+        self.shape = dict(shape)
+        self.device = device
+        self.dtype = dtype = _dtype(device)
+        h, H, KV, D, I = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"]
+        self.H, self.KV, self.D, self.hidden = H, KV, D, h
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def weight(out_f: int, in_f: int) -> torch.Tensor:
+            w = torch.randn(out_f, in_f, generator=gen, device=device, dtype=dtype)
+            return w.mul_(in_f**-0.5)
+
+        def norm() -> torch.Tensor:
+            return torch.ones(h, device=device, dtype=dtype)
+
+        self.layers = [
+            Layer(
+                attn_norm=norm(),
+                wqkv=weight((H + 2 * KV) * D, h),
+                wo=weight(h, H * D),
+                ffn_norm=norm(),
+                w_gate_up=weight(2 * I, h),
+                w_down=weight(h, I),
+            )
+            for _ in range(shape["layers"])
+        ]
+        self.norm = norm()
+        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+        freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for layer in self.layers for t in vars(layer).values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any) -> torch.Tensor:
+        T = x.shape[0]
+        H, KV, D, h = self.H, self.KV, self.D, self.hidden
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        for layer in self.layers:
+            y = F.rms_norm(x, (h,), layer.attn_norm, NORM_EPS)
+            q, k, v = F.linear(y, layer.wqkv).split([H * D, KV * D, KV * D], dim=-1)
+            q = _rope(q.view(T, H, D), cos, sin)
+            k = _rope(k.view(T, KV, D), cos, sin)
+            v = v.view(T, KV, D)
+            o = torch.empty_like(q)  # preallocated: attention writes into it in place
+            attn(q, k, v, o)
+            x = x + F.linear(o.view(T, H * D), layer.wo)
+            y = F.rms_norm(x, (h,), layer.ffn_norm, NORM_EPS)
+            gate, up = F.linear(y, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        return F.rms_norm(x, (h,), self.norm, NORM_EPS)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return t * cos + rotated * sin
+
+
+# -- attention --------------------------------------------------------------------------
+
+
+def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """``t.repeat_interleave(rep, dim=1)`` for ``[T, KV, D]``, as expand+reshape (no host sync)."""
+    if rep == 1:
+        return t
+    T, KV, D = t.shape
+    return t.unsqueeze(2).expand(T, KV, rep, D).reshape(T, KV * rep, D)
+
+
+def sdpa_per_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lengths: Any) -> None:
+    """Causal SDPA request by request; writes ``out`` in place."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, rep), _expand_kv(v, rep)
+    start = 0
+    for n in lengths:
+        end = start + n
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            k[start:end].transpose(0, 1).unsqueeze(0),
+            v[start:end].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+        )
+        out[start:end].copy_(o.squeeze(0).transpose(0, 1))
+        start = end
+
+
+def varlen_usable(device: torch.device) -> bool:
+    return _varlen_attn is not None and _CAUSAL is not None and device.type == "cuda"
+
+
+def attn_backend(attn: str, device: torch.device) -> str:
+    if attn == "loop":
+        return "sdpa-per-request"
+    if varlen_usable(device):
+        return "varlen_attn"
+    if device.type != "cuda":
+        return "sdpa-per-request (varlen_attn fallback: no CUDA)"
+    return "sdpa-per-request (varlen_attn fallback: not in this torch)"
+
+
+def cu_seqlens(lengths: Any, device: torch.device) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` as int32 on ``device`` (pinned host buffer, non-blocking copy)."""
+    offsets = list(itertools.accumulate(lengths, initial=0))
+    host = torch.tensor(offsets, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu: torch.Tensor, max_len: int) -> None:
+    """One causal ``varlen_attn`` call over the packed batch; writes ``out`` in place."""
+    assert _varlen_attn is not None and _CAUSAL is not None
+    rep = q.shape[1] // k.shape[1]
+    o = _varlen_attn(q, _expand_kv(k, rep), _expand_kv(v, rep), cu, cu, max_len, max_len, **_CAUSAL)
+    out.copy_(o)
+
+
+@bcg.breakpoint(name="attention_varlen", mutates=("out",))
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    lengths = bcg.live().lengths
+    if not varlen_usable(q.device):
+        sdpa_per_request(q, k, v, out, lengths)
+        return
+    varlen(q, k, v, out, cu_seqlens(lengths, q.device), max(lengths))
+
+
+@bcg.breakpoint(name="attention_loop", mutates=("out",))
+def attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    sdpa_per_request(q, k, v, out, bcg.live().lengths)
+
+
+BREAKPOINTS = {"varlen": attention_varlen, "loop": attention_loop}
+
+
+def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
+    """The same attention with the lengths frozen now: capturable inside one CUDA graph."""
+    if attn == "varlen" and varlen_usable(device):
+        cu = cu_seqlens(lengths, device)
+        max_len = max(lengths)
+        return lambda q, k, v, out: varlen(q, k, v, out, cu, max_len)
+    return lambda q, k, v, out: sdpa_per_request(q, k, v, out, lengths)
+
+
+# -- cases --------------------------------------------------------------------------------
+
+
+def setup(args: argparse.Namespace, device: torch.device) -> LlamaModel:
+    return LlamaModel(shape(args), device, max_pos=max(args.tokens), seed=args.seed)
+
+
+def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, attn: str | None, T: int | None) -> Case:
+    assert attn is not None and T is not None
+    lengths = tuple(request_lengths(T, args.requests, args.seed))
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
+    x_base = torch.randn(T, model.hidden, generator=gen, device=device, dtype=model.dtype)
+    x_fresh = torch.randn(T, model.hidden, generator=gen, device=device, dtype=model.dtype)
+    x = x_base.clone()
+    pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+
+    def write_inputs(fresh: bool) -> None:
+        x.copy_(x_fresh if fresh else x_base)
+
+    def make_forward(bp: Any) -> Any:
+        return lambda x, pos: model.forward(x, pos, bp)
+
+    bp = BREAKPOINTS[attn]
+    return Case(
+        workload=NAME,
+        attn=attn,
+        T=T,
+        device=device,
+        static_args=(x, pos),
+        live=Batch(lengths),
+        make_forward=make_forward,
+        bp=bp,
+        bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
+        bp_frozen=frozen_attention(attn, lengths, device),
+        num_breaks=model.shape["layers"],
+        write_inputs=write_inputs,
+        fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
+    )

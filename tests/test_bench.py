@@ -1,0 +1,267 @@
+"""CPU tests of the benchmark CLI (bcg.bench): flags, the no-CUDA path, bench.json and bench.png.
+
+Every test here forces the no-CUDA path (``torch.cuda.is_available`` patched to
+False), so it runs the same on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bcg.bench import cli, modes, report
+from bcg.bench.timing import rel_err
+from bcg.bench.workloads import llama, micro
+
+TOP_KEYS = {"gpu": str, "torch": str, "commit": str, "date": str, "config": dict, "rows": list}
+ROW_TYPES = {
+    "workload": (str,),
+    "attn": (str, type(None)),
+    "mode": (str,),
+    "T": (int, type(None)),
+    "ms_median": (float,),
+    "ms_min": (float,),
+    "first_replay_ms": (float,),
+    "ratio_to_floor": (float, type(None)),
+    "capture_s": (float, type(None)),
+    "pool_mib": (float, type(None)),
+    "extra_us_per_break": (float, type(None)),
+    "rel_err": (float,),
+}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    args = cli.parse_args([])
+    assert args.workload == ["llama", "micro"]
+    assert args.modes is None  # all registered modes
+    assert args.tokens == [128, 512, 2048]
+    assert args.attn == ["varlen", "loop"]
+    assert args.requests == 4
+    assert args.segments == 64 and args.micro_iters == 200
+    assert args.iters is None and args.warmup == 3 and args.out is None
+    assert llama.shape(args) == {
+        "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "head_dim": 128,
+    }
+
+
+def test_lists_and_overrides(tmp_path: Path) -> None:
+    args = cli.parse_args([
+        "--workload", "llama", "--modes", "eager,bcg,eager", "--tokens", "64,256", "--attn", "loop",
+        "--shape", "tiny", "--layers", "3", "--kv-heads", "4", "--iters", "7", "--out", str(tmp_path),
+    ])
+    assert args.workload == ["llama"]
+    assert args.modes == ["eager", "bcg"]  # deduplicated, order kept
+    assert args.tokens == [64, 256] and args.attn == ["loop"] and args.iters == 7
+    assert args.out == tmp_path
+    assert llama.shape(args) == {
+        "layers": 3, "hidden": 256, "heads": 4, "kv_heads": 4, "intermediate": 512, "head_dim": 64,
+    }
+    assert cli.parse_args(["--modes", "all"]).modes == list(modes.MODES)
+    assert llama.shape(cli.parse_args(["--hidden", "1024", "--heads", "8"]))["head_dim"] == 128
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--modes", "nope"],
+        ["--workload", "llama,bert"],
+        ["--attn", "flash"],
+        ["--tokens", "12,x"],
+        ["--tokens", "0"],
+        ["--iters", "0"],
+        ["--shape", "70b"],
+    ],
+)
+def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2
+    assert "bcg-bench" in capsys.readouterr().err
+
+
+def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = ["eager", "floor", "bcg", "bcg-python", "bcg-eager", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
+    assert list(modes.MODES) == expected
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in [*expected, "llama", "micro"]:
+        assert name in out
+
+
+def test_registering_a_mode_makes_it_selectable() -> None:
+    @modes.register_mode("test-extra", needs_cuda=False, help="a test mode")
+    def build(case, ctx):  # pragma: no cover - never built here
+        raise AssertionError
+
+    try:
+        assert cli.parse_args(["--modes", "test-extra"]).modes == ["test-extra"]
+        with pytest.raises(ValueError, match="twice"):
+            modes.register_mode("test-extra")(build)
+    finally:
+        del modes.MODES["test-extra"]
+
+
+def test_skip_reasons() -> None:
+    assert modes.skip_reason("floor", cuda=False) == "needs an NVIDIA GPU"
+    assert modes.skip_reason("eager", cuda=False) is None
+    assert modes.skip_reason("bcg-eager", cuda=False) is None
+    # bcg-python runs only where the native executor exists (else 'bcg' is already python)
+    assert (modes.skip_reason("bcg-python", cuda=True) is None) == modes.has_native_executor()
+
+
+def test_request_lengths_are_random_but_fixed() -> None:
+    for T in (4, 128, 512, 2048):
+        lengths = llama.request_lengths(T, 4, seed=0)
+        assert len(lengths) == 4 and sum(lengths) == T and min(lengths) >= 1
+        assert lengths == llama.request_lengths(T, 4, seed=0)
+    assert llama.request_lengths(2048, 4, 0) != llama.request_lengths(2048, 4, 1)
+    with pytest.raises(ValueError):
+        llama.request_lengths(3, 4, 0)
+
+
+def test_rel_err() -> None:
+    a = torch.randn(8, 8)
+    assert rel_err(a, a.clone()) == 0.0
+    b = a.clone()
+    b[0, 0] += 1.0
+    assert rel_err(b, a) == pytest.approx(1.0 / a.abs().max().item())
+    assert rel_err(a[:4], a) == float("inf")
+
+
+def test_commit_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BCG_COMMIT", "abc1234")
+    assert report.commit() == "abc1234"
+    monkeypatch.delenv("BCG_COMMIT")
+    assert isinstance(report.commit(), str) and report.commit()
+
+
+# -- the no-CUDA run ----------------------------------------------------------------------------
+
+
+def _check_doc(doc: dict) -> None:
+    for key, typ in TOP_KEYS.items():
+        assert isinstance(doc[key], typ), key
+    assert "cuda" in doc  # None on CPU torch
+    for row in doc["rows"]:
+        for key, types in ROW_TYPES.items():
+            assert key in row, key
+            assert isinstance(row[key], types), (key, row[key])
+
+
+def test_cpu_run_writes_json_and_png(no_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["--tokens", "16,48", "--iters", "2", "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "graph timings need an NVIDIA GPU" in out
+    assert "workload micro skipped" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    _check_doc(doc)
+    rows = doc["rows"]
+    assert {(r["attn"], r["T"], r["mode"]) for r in rows} == {
+        (a, t, m) for a in ("varlen", "loop") for t in (16, 48) for m in ("eager", "bcg-eager")
+    }
+    for row in rows:
+        assert row["workload"] == "llama"
+        assert row["rel_err"] == 0.0  # same kernels, same inputs
+        assert row["ratio_to_floor"] is None  # no floor without CUDA
+        assert row["ms_min"] <= row["ms_median"]
+        assert sum(row["lengths"]) == row["T"] and len(row["lengths"]) == 4
+        assert row["iters"] == 2
+    bcg_eager = [r for r in rows if r["mode"] == "bcg-eager"]
+    assert all(r["breakpoints"] == 2 and r["segments"] == 3 for r in bcg_eager)  # tiny: 2 layers
+    assert doc["config"]["llama"]["shape"]["layers"] == 2  # CPU runs the tiny shape
+    assert doc["config"]["modes"] == ["eager", "bcg-eager"]
+    assert doc["errors"] == []
+    png = tmp_path / "bench.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_run_skips_graph_modes(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["--modes", "floor,bcg,eager", "--tokens", "8", "--attn", "loop", "--iters", "1", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "mode floor skipped: needs an NVIDIA GPU" in out
+    assert "mode bcg skipped: needs an NVIDIA GPU" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path of a fresh process")
+def test_module_entry_point_without_cuda(tmp_path: Path) -> None:
+    env = dict(os.environ, BCG_COMMIT="testsha")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bcg.bench", "--tokens", "32", "--iters", "1", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "graph timings need an NVIDIA GPU" in proc.stdout
+    doc = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert doc["commit"] == "testsha"
+    assert (tmp_path / "o" / "bench.png").exists()
+
+
+def test_micro_case_on_cpu() -> None:
+    """The micro workload's case and its extra measures (eager modes only: no GPU here)."""
+    args = cli.parse_args(["--segments", "5", "--micro-iters", "2"])
+    dev = torch.device("cpu")
+    case = micro.make_case(micro.setup(args, dev), args, dev, None, None)
+    sync = lambda: None  # noqa: E731
+    ref = cli._reference(case, sync)
+    rows = [cli._measure(case, m, ref, modes.BuildContext(), 2, 0, sync) for m in ("eager", "bcg-eager")]
+    cli._finish_case(case, rows)
+    for row in rows:
+        assert row["rel_err"] == 0.0 and row["K"] == 5
+        assert row["us_per_replay"] == pytest.approx(row["ms_median"] * 1e3)
+        assert row["us_per_segment"] == pytest.approx(row["us_per_replay"] / 5)
+        assert row["us_per_segment_overhead"] == pytest.approx((row["us_per_replay"] - row["bp_eager_us"]) / 5)
+    assert rows[1]["segments"] == 5 and rows[1]["breakpoints"] == 5
+
+
+# -- report on GPU-shaped rows ------------------------------------------------------------------
+
+
+def _fake_rows() -> list[dict]:
+    rows = []
+    for attn in ("varlen", "loop"):
+        for T in (128, 512, 2048):
+            floor = 8.0 * T / 128
+            for mode, f in (("eager", 4.0), ("floor", 1.0), ("bcg", 1.05), ("piecewise-cuda-graphs", 1.06)):
+                ms = floor * f
+                rows.append({
+                    "workload": "llama", "attn": attn, "mode": mode, "T": T, "ms_median": ms, "ms_min": ms * 0.98,
+                    "first_replay_ms": ms * 1.5, "ratio_to_floor": f, "capture_s": None if mode == "eager" else 0.5,
+                    "pool_mib": None if mode == "eager" else 300.0, "extra_us_per_break": (ms - floor) * 1e3 / 32,
+                    "rel_err": 0.0,
+                })
+    for mode, us in (("eager", 400.0), ("floor", 60.0), ("bcg", 250.0)):
+        rows.append({
+            "workload": "micro", "attn": None, "mode": mode, "T": None, "ms_median": us / 1e3, "ms_min": us / 1e3,
+            "first_replay_ms": us / 1e3, "ratio_to_floor": us / 60.0, "capture_s": 0.1, "pool_mib": 2.0,
+            "extra_us_per_break": (us - 60.0) / 64, "rel_err": 0.0, "K": 64, "us_per_replay": us,
+            "us_per_segment": us / 64, "bp_eager_us": 150.0, "us_per_segment_overhead": (us - 150.0) / 64,
+        })
+    return rows
+
+
+def test_report_on_gpu_shaped_rows(tmp_path: Path) -> None:
+    rows = _fake_rows()
+    table = report.format_table(rows)
+    assert "== llama ==" in table and "== micro ==" in table and "piecewise-cuda-graphs" in table
+    report.write_png(tmp_path / "bench.png", rows, title="fake")
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    env = {"gpu": "fake", "torch": torch.__version__, "cuda": "13.0", "commit": "x", "date": "now"}
+    report.write_json(tmp_path / "bench.json", env, {"k": 1}, rows + [{**rows[0], "rel_err": float("nan")}])
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["rows"][-1]["rel_err"] == "nan"  # strict JSON: NaN written as a string
