@@ -6,8 +6,26 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+import torch
+
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.recorder import ACTIVE
+
+try:  # one C call, ~50 ns: is a Dynamo frame callback installed right now?
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+
+    def _dynamo_active() -> bool:
+        return _eval_frame_callback() is not None
+except ImportError:  # pragma: no cover - torch without Dynamo's C hooks: always play safe
+
+    def _dynamo_active() -> bool:
+        return True
+
+
+def _dynamo_skip(fn: Callable[..., Any]) -> None:
+    from torch._dynamo.decorators import skip
+
+    skip(fn)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +66,8 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     * Read per-replay host data with :func:`bcg.live`, never from closures.
     * ``mutates`` names the arguments written in place (default: any tensor
       argument may be); padding sanitizers run on exactly those.
+    * Inside ``torch.compile``d code a breakpoint is a Dynamo graph break: it is
+      never traced and runs eagerly with Dynamo off.
     """
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,13 +80,24 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         )
         active = ACTIVE.get
 
-        @functools.wraps(f)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             recorder = active()
             if recorder is None:
                 return f(*args, **kwargs)
             return recorder.call_breakpoint(spec, args, kwargs)
 
+        uncompiled = torch.compiler.disable(call)
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _dynamo_active():  # called from torch.compile'd code: run it all with Dynamo off
+                return uncompiled(*args, **kwargs)
+            return call(*args, **kwargs)
+
+        # Dynamo sees a disabled function (a graph break, never traced into) and never
+        # compiles the wrapper's own frame when compiled code calls it.
+        _dynamo_skip(wrapper)
+        wrapper._torchdynamo_orig_callable = f  # type: ignore[attr-defined]
         wrapper.__bcg_breakpoint__ = spec  # type: ignore[attr-defined]
         return wrapper
 
