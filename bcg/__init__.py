@@ -12,6 +12,7 @@ import logging
 
 from bcg.breakpoint import breakpoint, graph_break
 from bcg.capture import capture
+from bcg.debug import GuardError
 from bcg.errors import (
     BcgError,
     BreakpointOutputMismatch,
@@ -24,6 +25,9 @@ from bcg.graph import BreakableGraph, GraphStats
 from bcg.live import live, live_scope
 from bcg.make_graph import make_graph
 from bcg.memory import graph_pool_handle
+from bcg.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
+from bcg.runner import GraphRunner
+from bcg.verify import VerificationError, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -35,9 +39,12 @@ __all__ = [
     "BreakpointOutputMismatch",
     "CaptureError",
     "GraphStats",
+    "GuardError",
     "HostSyncInCaptureError",
     "NestedCaptureError",
     "ReplayError",
+    "VerificationError",
+    "VerifyReport",
     "breakpoint",
     "capture",
     "graph_break",
@@ -45,4 +52,10 @@ __all__ = [
     "live",
     "live_scope",
     "make_graph",
+    "verify",
+    "GraphRunner",
+    "default_buckets",
+    "geometric_buckets",
+    "pick_bucket",
+    "stepped_buckets",
 ]

@@ -1,0 +1,549 @@
+"""bcg.GraphRunner and the bucket ladders, on a CPU (the runner in eager mode).
+
+Eager mode runs ``forward`` on the padded static buffers with the same bucket
+choice, padding, sanitizing of tensors crossing breakpoints and output slicing
+as graph mode, so everything but the CUDA graphs themselves is exercised here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bcg
+from bcg.buckets import normalize_buckets, padding_ratio
+
+from .models import TinyLlama
+
+HIDDEN = 32
+
+
+def _runner(forward, buckets, example, **kw):  # noqa: ANN001, ANN202
+    kw.setdefault("progress", False)
+    kw.setdefault("mode", "eager")
+    return bcg.GraphRunner(forward, buckets, example_inputs=example, **kw)
+
+
+# -- bucket ladders ---------------------------------------------------------------------------
+
+
+def test_default_ladder_has_16_buckets_up_to_4096() -> None:
+    ladder = bcg.default_buckets()
+    assert ladder == [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert len(ladder) == 16
+    assert all(b / a <= 2 for a, b in zip(ladder, ladder[1:]))
+    assert all(b / a <= 1.5 for a, b in zip(ladder[1:], ladder[2:]))
+    decode = bcg.default_buckets(256, min_tokens=1)
+    assert decode[:8] == [1, 2, 3, 4, 6, 8, 12, 16] and decode[-1] == 256
+    assert bcg.default_buckets(100) == [16, 32, 48, 64, 96, 100]
+
+
+def test_geometric_buckets() -> None:
+    assert bcg.geometric_buckets(16, 4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert bcg.geometric_buckets(16, 100) == [16, 32, 64, 100]
+    ladder = bcg.geometric_buckets(16, 4096, ratio=math.sqrt(2), multiple_of=16)
+    assert ladder[0] == 16 and ladder[-1] == 4096
+    assert all(b % 16 == 0 for b in ladder)
+    assert ladder == sorted(set(ladder))
+    assert bcg.geometric_buckets(8, 8) == [8]
+    for bad in ((0, 8), (8, 4)):
+        with pytest.raises(ValueError):
+            bcg.geometric_buckets(*bad)
+    with pytest.raises(ValueError, match="ratio"):
+        bcg.geometric_buckets(1, 8, ratio=1.0)
+
+
+def test_stepped_buckets() -> None:
+    assert bcg.stepped_buckets(64, steps=((None, 16),)) == [1, 2, 4, 16, 32, 48, 64]
+    ladder = bcg.stepped_buckets(1024)
+    assert ladder[:6] == [1, 2, 4, 8, 16, 24]
+    assert 256 in ladder and 272 in ladder and 264 not in ladder
+    assert 544 in ladder and 528 not in ladder
+    assert ladder[-1] == 1024 and ladder == sorted(set(ladder))
+    assert bcg.stepped_buckets(100, steps=((None, 32),), head=())[-1] == 100  # max always included
+    assert bcg.stepped_buckets(3) == [1, 2, 3]
+
+
+def test_pick_bucket_and_padding_ratio() -> None:
+    ladder = [16, 32, 64]
+    assert [bcg.pick_bucket(ladder, t) for t in (0, 1, 15, 16, 17, 32, 33, 64, 65)] == [
+        16, 16, 16, 16, 32, 32, 64, 64, None,
+    ]
+    assert padding_ratio(64, 16) == 0.75
+    assert padding_ratio(16, 16) == 0.0
+
+
+def test_normalize_buckets() -> None:
+    assert normalize_buckets([32, 16, 16, 64]) == [16, 32, 64]
+    with pytest.raises(ValueError):
+        normalize_buckets([])
+    with pytest.raises(ValueError):
+        normalize_buckets([0, 16])
+    with pytest.raises(TypeError):
+        normalize_buckets([16.5])
+
+
+# -- the runner end to end --------------------------------------------------------------------
+
+
+def _llama(returning: bool = False) -> TinyLlama:
+    torch.manual_seed(0)
+    return TinyLlama(layers=2, hidden=HIDDEN, heads=4, kv_heads=2, intermediate=64, device="cpu",
+                     dtype=torch.float32, returning=returning)
+
+
+def _live(T: int) -> dict:
+    return {"lengths": [T]}
+
+
+def _padded(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
+    pad = list(x.shape)
+    pad[dim] = n - x.shape[dim]
+    return torch.cat([x, torch.zeros(pad, dtype=x.dtype)], dim)
+
+
+@pytest.mark.parametrize("returning", [False, True])
+def test_eager_runner_matches_forward_for_every_bucket(returning: bool) -> None:
+    model = _llama(returning)
+    buckets = [4, 8, 16]
+    runner = _runner(model, buckets, (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner.capture()
+    gen = torch.Generator().manual_seed(0)
+    for n in buckets:
+        for T in sorted({n, n - 1, 1, int(torch.randint(1, n + 1, (1,), generator=gen))}):
+            x = torch.randn(T, HIDDEN, generator=gen)
+            pos = torch.arange(T)
+            y = runner(x, pos, live=_live(T))
+            assert runner.bucket_for(T) == n or T <= n // 2
+            assert y.shape == (T, HIDDEN)
+            with bcg.live_scope(_live(T)), torch.no_grad():
+                unpadded = model(x, pos)
+                bucket = runner.bucket_for(T)
+                padded = model(_padded(x, bucket), _padded(pos, bucket))[:T]
+            torch.testing.assert_close(y, unpadded, rtol=1e-5, atol=1e-5)
+            assert torch.equal(y, padded)  # the same ops on the same shapes
+    stats = runner.stats()
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
+    assert sum(stats["replays"].values()) == stats["calls"] == stats["graph_calls"]
+    assert all(stats["replays"][b] > 0 for b in buckets)
+
+
+@bcg.breakpoint
+def _partial_returning(x: torch.Tensor) -> torch.Tensor:
+    """Writes only the real rows of its result; the padded rows are NaN (poisoned memory)."""
+    T = bcg.live()
+    out = torch.full_like(x, float("nan"))
+    out[:T] = x[:T] * 2
+    return out
+
+
+@bcg.breakpoint(mutates=("out",))
+def _partial_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    T = bcg.live()
+    out[:T] = x[:T] + 1
+
+
+class _CrossRow(torch.nn.Module):
+    """Each breakpoint leaves NaN in padded rows, and the next op mixes all rows (a sum over tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w(x)
+        a = _partial_returning(h)
+        h = h + a.sum(0, keepdim=True) / 64
+        out = torch.full_like(h, float("nan"))
+        _partial_into(h, out)
+        return self.w(out + out.sum(0, keepdim=True) / 64)
+
+
+def test_rows_crossing_breakpoints_are_zeroed_so_padding_never_leaks() -> None:
+    model = _CrossRow()
+    runner = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n)
+    runner.capture()
+    for T in (1, 5, 8, 9, 31, 32):
+        x = torch.randn(T, HIDDEN)
+        y = runner(x, live=T)
+        with bcg.live_scope(T), torch.no_grad():
+            expected = model(x)
+        assert not torch.isnan(y).any()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        full = runner.bucket_outputs(runner.bucket_for(T))
+        assert not torch.isnan(full).any()  # padded rows too
+
+    # Without sanitizing, the NaN in padded rows reaches the real rows through the sum.
+    unsafe = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, sanitize=False)
+    unsafe.capture()
+    assert torch.isnan(unsafe(torch.randn(5, HIDDEN), live=5)).all()
+    assert not torch.isnan(unsafe(torch.randn(8, HIDDEN), live=8)).any()  # T = bucket: no padding
+
+
+def test_sanitizing_follows_the_dims_that_grow_with_the_bucket() -> None:
+    """A by-reference cache whose size happens to equal a bucket is left alone, and a
+    ``[heads, T, dim]`` tensor at a bucket equal to ``heads`` is zeroed along T only."""
+    heads = 8
+    cache = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)  # 8 == a bucket, but fixed shape
+    seen: list[torch.Tensor] = []
+
+    @bcg.breakpoint(mutates=("cache", "out"))
+    def write(x: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> None:
+        T = bcg.live()
+        out[:, :T] = x[:, :T] * 3
+        cache[0].add_(1)
+
+    @bcg.breakpoint
+    def look(t: torch.Tensor) -> None:
+        seen.append(t.clone())
+
+    def forward(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        h = x.t().unsqueeze(0).expand(heads, -1, -1).contiguous()  # [heads, T, 4]
+        out = torch.full_like(h, float("nan"))
+        write(h, cache, out)
+        look(out)
+        return out
+
+    runner = _runner(forward, [8, 16], (torch.randn(4, 3), cache), pad_dim=(1, None), capture_live=lambda n: n)
+    runner.capture()
+    before = cache.clone()
+    x = torch.randn(4, 5)
+    seen.clear()
+    y = runner(x, cache, live=5)
+    assert y.shape == (heads, 5, 4)
+    torch.testing.assert_close(y, (x.t() * 3).expand(heads, -1, -1))
+    crossed = seen[0]
+    assert crossed.shape == (heads, 8, 4)
+    assert torch.equal(crossed[:, 5:], torch.zeros(heads, 3, 4))  # zeroed along T, not heads
+    assert torch.equal(cache[1:], before[1:]) and torch.equal(cache[0], before[0] + 1)  # cache untouched
+
+
+def test_tensors_that_existed_before_the_run_are_never_sanitized() -> None:
+    """A plain (non-Parameter) tensor held by the model, shaped like a token tensor at the
+    largest bucket (``[16, H]``, bucket 16), passed to a breakpoint that declares no
+    ``mutates`` (so every argument crosses it), keeps its rows past T."""
+    table = torch.randn(16, HIDDEN)
+    original = table.clone()
+
+    @bcg.breakpoint
+    def lookup(h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        T = bcg.live()
+        out = torch.full_like(h, float("nan"))
+        out[:T] = h[:T] + table[:T]
+        return out
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        a = lookup(h, table)
+        return a + a.sum(0, keepdim=True) + table.sum(0, keepdim=True)
+
+    runner = _runner(forward, [4, 8, 16], (torch.randn(3, HIDDEN),), capture_live=lambda n: n)
+    runner.capture()
+    for T in (1, 5, 16, 9):
+        x = torch.randn(T, HIDDEN)
+        y = runner(x, live=T)
+        with bcg.live_scope(T), torch.no_grad():
+            expected = forward(x)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(table, original)
+
+
+def test_decode_style_batch_bucketing_with_pad_dim_1() -> None:
+    """Bucketing over the batch, padded along dim 1 of ``[2, B, H]`` (per-bucket buffers)."""
+    torch.manual_seed(2)
+    emb = torch.nn.Embedding(50, HIDDEN)
+    lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    @bcg.breakpoint
+    def scale(h: torch.Tensor) -> torch.Tensor:
+        B = bcg.live()
+        out = torch.full_like(h, float("nan"))
+        out[:, :B] = h[:, :B] * 0.5
+        return out
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, flag: str) -> torch.Tensor:
+        assert flag == "decode"
+        h = emb(ids) + pos[..., None].float()  # [2, B, H]
+        h = scale(lin(h))
+        return lin(h + h.sum(1, keepdim=True))
+
+    ids = torch.randint(0, 50, (2, 3))
+    runner = _runner(forward, [1, 2, 4, 8], (ids, torch.zeros(2, 3, dtype=torch.long), "decode"),
+                     pad_dim=1, capture_live=lambda n: n)
+    runner.capture()
+    for B in (1, 2, 3, 4, 5, 8):
+        ids = torch.randint(0, 50, (2, B))
+        pos = torch.randint(0, 9, (2, B))
+        y = runner(ids, pos, "decode", live=B)
+        with bcg.live_scope(B), torch.no_grad():
+            expected = forward(ids, pos, "decode")
+        assert y.shape == (2, B, HIDDEN)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_sliced_only_along_dims_that_grow_with_the_bucket() -> None:
+    const = torch.arange(16.0)
+
+    def forward(x: torch.Tensor) -> tuple:
+        scores = x @ x.t()  # [T, T]
+        return x * 2, scores, const * 1, x.sum(), "tag", x.shape[0]
+
+    runner = _runner(forward, [4, 16], (torch.randn(3, 16),))
+    runner.capture()
+    x = torch.randn(3, 16)
+    y, scores, c, total, tag, rows = runner(x)
+    assert torch.equal(y, x * 2)
+    torch.testing.assert_close(scores, x @ x.t())  # both dims sliced
+    assert c.shape == (16,)  # fixed shape equal to a bucket size: returned whole
+    torch.testing.assert_close(total, x.sum())
+    assert tag == "tag" and rows == 4  # frozen non-tensor results are the bucket's
+    y16, scores16, c16, *_ = runner(torch.randn(16, 16))
+    assert y16.shape == (16, 16) and scores16.shape == (16, 16) and torch.equal(c16, const)
+
+
+@pytest.mark.parametrize("sanitize", [True, False])
+def test_padded_rows_of_the_static_inputs_are_zero(sanitize: bool) -> None:
+    """In-graph masking (sanitize) or host-side zeroing of the tails: a sum over all rows sees T rows."""
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        return x.sum(0), pos.sum(), (x != 0).sum()
+
+    runner = _runner(forward, [8], (torch.randn(2, 3), torch.arange(2)), sanitize=sanitize)
+    runner.capture()
+    runner(torch.full((8, 3), 7.0), torch.full((8,), 5))  # fill every row first
+    x = torch.randn(3, 3) + 10
+    total, pos_total, nonzero = runner(x, torch.tensor([1, 2, 3]))
+    torch.testing.assert_close(total, x.sum(0))
+    assert int(pos_total) == 6 and int(nonzero) == 9
+
+
+def test_outputs_are_views_unless_copy_outputs() -> None:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    view_runner = _runner(forward, [8], (torch.randn(2, 4),))
+    copy_runner = _runner(forward, [8], (torch.randn(2, 4),), copy_outputs=True)
+    for runner in (view_runner, copy_runner):
+        runner.capture()
+    x = torch.randn(3, 4)
+    v = view_runner(x)
+    c = copy_runner(x)
+    assert torch.equal(v, c)
+    assert v._base is not None and v.data_ptr() == view_runner.bucket_outputs(8).data_ptr()
+    assert c._base is None and c.is_contiguous()
+
+
+# -- guards -------------------------------------------------------------------------------------
+
+
+def _guarded_runner():  # noqa: ANN202
+    def forward(x: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale + pos[:, None]
+
+    runner = _runner(forward, [4, 8], (torch.randn(2, 6), torch.arange(2), 2.0))
+    runner.capture()
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "pattern"),
+    [
+        ((torch.randn(3, 6), torch.arange(3)), TypeError, r"takes 3 input\(s\).*2 were given"),
+        ((torch.randn(3, 6, dtype=torch.float64), torch.arange(3), 2.0), TypeError,
+         r"input 0 has dtype torch.float64; expected a torch.float32 tensor on cpu of shape \(T, 6\)"),
+        ((torch.randn(3, 6), torch.arange(3, dtype=torch.int32), 2.0), TypeError,
+         r"input 1 has dtype torch.int32; expected a torch.int64 tensor"),
+        ((torch.randn(3, 5), torch.arange(3), 2.0), ValueError,
+         r"input 0 has shape \(3, 5\); expected .* of shape \(T, 6\), T along dim 0"),
+        ((torch.randn(3, 6, 1), torch.arange(3), 2.0), ValueError, r"input 0 has shape \(3, 6, 1\)"),
+        ((torch.randn(3, 6), torch.arange(4), 2.0), ValueError,
+         r"input 1 has 4 rows along its pad dim 0 but input 0 has 3"),
+        ((torch.randn(3, 6), [0, 1, 2], 2.0), TypeError, r"input 1 is a list; expected a torch.int64 tensor"),
+        ((torch.randn(3, 6), torch.arange(3), 3.0), ValueError, r"input 2 is 3.0; expected the value 2.0"),
+        ((torch.randn(3, 6, device="meta"), torch.arange(3), 2.0), ValueError,
+         r"input 0 is on meta; expected a torch.float32 tensor on cpu"),
+    ],
+)
+def test_guards_name_the_input_and_come_before_any_side_effect(args, error, pattern) -> None:  # noqa: ANN001
+    runner = _guarded_runner()
+    runner(torch.ones(4, 6), torch.arange(4), 2.0)
+    before = runner.stats()
+    static = runner.bucket_outputs(4).clone()
+    buffers = [b.clone() for b in runner._buffers.values()]
+    with pytest.raises(error, match=pattern):
+        runner(*args)
+    assert runner.stats() == before
+    assert torch.equal(runner.bucket_outputs(4), static)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._buffers.values()))
+
+
+def test_by_reference_inputs_must_be_the_example_tensor() -> None:
+    cache = torch.zeros(8, 4)
+
+    def forward(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache[: x.shape[0]] += x
+        return x + cache[: x.shape[0]]
+
+    runner = _runner(forward, [4, 8], (torch.randn(2, 4), cache), pad_dim=[0, None])
+    runner.capture()
+    cache.zero_()
+    y = runner(torch.ones(3, 4), cache)
+    assert torch.equal(y, torch.full((3, 4), 2.0))
+    with pytest.raises(ValueError, match=r"input 1 is another tensor; expected the same torch.float32 tensor"):
+        runner(torch.ones(3, 4), cache.clone())
+
+
+def test_constructor_validation() -> None:
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="input 1 has shape"):
+        bcg.GraphRunner(lambda a, b: a, [4], example_inputs=(x, torch.tensor(1.0)), mode="eager")
+    with pytest.raises(ValueError, match="at least one padded tensor"):
+        bcg.GraphRunner(lambda a: a, [4], example_inputs=(x,), pad_dim=[None], mode="eager")
+    with pytest.raises(ValueError, match="pad_dim has 2 entries"):
+        bcg.GraphRunner(lambda a: a, [4], example_inputs=(x,), pad_dim=[0, None], mode="eager")
+    with pytest.raises(ValueError, match="input 1 is a int"):
+        bcg.GraphRunner(lambda a, b: a, [4], example_inputs=(x, 3), pad_dim=[0, 0], mode="eager")
+    with pytest.raises(ValueError, match="max_padding_ratio"):
+        bcg.GraphRunner(lambda a: a, [4], example_inputs=(x,), max_padding_ratio=1.5, mode="eager")
+    with pytest.raises(ValueError, match="mode"):
+        bcg.GraphRunner(lambda a: a, [4], example_inputs=(x,), mode="fast")
+    with pytest.raises(TypeError, match="example_inputs"):
+        bcg.GraphRunner(lambda a: a, [4], example_inputs=x, mode="eager")
+    runner = bcg.GraphRunner(lambda a: a, [4], example_inputs=(x,), mode="eager", pad_dim=-2)
+    assert runner._inputs[0].pad_dim == 0
+
+
+# -- fallbacks ----------------------------------------------------------------------------------
+
+
+def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    capturing = {"on": False}
+    calls: list[int] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if capturing["on"] and x.shape[0] == 16:
+            raise RuntimeError("this size cannot be captured")
+        return F.relu(x) * bcg.live(1.0)
+
+    runner = _runner(forward, [4, 16, 32], (torch.randn(2, 3),), max_padding_ratio=0.5, capture_live=1.0)
+    capturing["on"] = True
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        runner.capture()
+    capturing["on"] = False
+    failures = [r for r in caplog.records if "capturing bucket 16 failed" in r.getMessage()]
+    assert len(failures) == 1
+    assert "RuntimeError: this size cannot be captured" in failures[0].getMessage()
+    assert failures[0].exc_info is not None
+    assert runner.failed_buckets == {16: "RuntimeError: this size cannot be captured"}
+    assert runner.captured_buckets == [4, 32]
+
+    def check(T: int) -> None:
+        x = torch.randn(T, 3)
+        calls.clear()
+        torch.testing.assert_close(runner(x, live=2.0), F.relu(x) * 2)
+
+    check(3)  # bucket 4: padded run
+    assert calls == [4]
+    check(40)  # above the ladder
+    assert calls == [40]
+    check(10)  # bucket 16 failed: eager on the real rows, not promoted to 32
+    assert calls == [10]
+    check(17)  # bucket 32, 15/32 padding: fine
+    check(15)
+    check(9)
+    check(1)  # bucket 4, 3/4 padding > 0.5: eager
+    assert calls == [1]
+    stats = runner.stats()
+    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3}
+    assert stats["replays"] == {4: 1, 16: 0, 32: 1}
+    assert stats["calls"] == 7 and stats["graph_calls"] == 2
+    assert set(stats["capture_s"]) == {4, 16, 32}
+
+
+# -- capture bookkeeping, lifecycle -------------------------------------------------------------
+
+
+def test_capture_records_seconds_per_bucket_and_shows_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    runner = _runner(lambda x: x * 2, [2, 4, 8], (torch.randn(1, 2),), progress=True)
+    assert runner.capture() is runner
+    err = capsys.readouterr().err
+    assert "bcg capture" in err and "3/3" in err
+    stats = runner.stats()
+    assert set(stats["capture_s"]) == {2, 4, 8}
+    assert all(s >= 0 for s in stats["capture_s"].values())
+    assert stats["capture_total_s"] >= sum(stats["capture_s"].values())
+    assert stats["pool_bytes"] == 0 and stats["mode"] == "eager"
+    assert runner.measure_largest_alone() == 0
+
+
+def test_calls_before_capture_after_reset_and_double_capture() -> None:
+    runner = _runner(lambda x: x + 1, [4], (torch.randn(1, 2),))
+    with pytest.raises(bcg.ReplayError, match="capture"):
+        runner(torch.randn(2, 2))
+    runner.capture()
+    with pytest.raises(bcg.BcgError, match="already captured"):
+        runner.capture()
+    runner(torch.randn(2, 2))
+    runner.reset()
+    assert not runner.is_captured and runner.stats()["calls"] == 0
+    with pytest.raises(bcg.ReplayError, match="capture"):
+        runner(torch.randn(2, 2))
+    runner.capture()
+    torch.testing.assert_close(runner(torch.ones(3, 2)), torch.full((3, 2), 2.0))
+    runner.reset()
+    with _runner(lambda x: x + 1, [4], (torch.randn(1, 2),)) as ctx:
+        assert ctx.is_captured
+        torch.testing.assert_close(ctx(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+    assert not ctx.is_captured
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_graph_mode_without_cuda_falls_back_to_eager_with_one_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = bcg.GraphRunner(lambda x: x * 3, [4, 8], example_inputs=(torch.randn(1, 2),), progress=False)
+        runner.capture()
+        y = runner(torch.ones(5, 2))
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == [
+        "bcg.GraphRunner: CUDA is not available, falling back to mode='eager' (same buckets, padding "
+        "and slicing; forward runs eagerly at every call, no CUDA graphs)"
+    ]
+    assert runner.mode == "eager"
+    torch.testing.assert_close(y, torch.full((5, 2), 3.0))
+
+
+def test_concurrent_calls_are_serialized_and_correct() -> None:
+    model = _llama()
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner.capture()
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(10):
+                T = int(torch.randint(1, 17, (1,), generator=gen))
+                x = torch.randn(T, HIDDEN, generator=gen)
+                pos = torch.arange(T)
+                y = runner(x, pos, live=_live(T)).clone()
+                with bcg.live_scope(_live(T)), torch.no_grad():
+                    expected = model(x, pos)
+                torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert runner.stats()["calls"] == 40

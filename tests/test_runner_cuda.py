@@ -1,0 +1,360 @@
+"""bcg.GraphRunner on a GPU: bit-identical buckets, padding hygiene, fallbacks, shared pools, memory.
+
+"Eager on the same kernels" means ``forward`` run eagerly on the zero-padded
+bucket-size input, then sliced: eager on the unpadded input may differ in the
+last bits, since GEMM kernels change with M.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import pytest
+import torch
+
+import bcg
+
+from .models import TinyLlama, positions_for, random_lengths
+
+pytestmark = pytest.mark.cuda
+
+HIDDEN = 256
+DTYPE = torch.bfloat16
+
+
+def _model(returning: bool = False, hidden: int = HIDDEN, intermediate: int = 512) -> TinyLlama:
+    torch.manual_seed(0)
+    return TinyLlama(layers=2, hidden=hidden, heads=8, kv_heads=2, intermediate=intermediate, returning=returning)
+
+
+def _capture_live(n: int) -> dict:
+    return {"lengths": [n]}
+
+
+def _runner(model: TinyLlama, buckets: list[int], mode: str = "graph", hidden: int = HIDDEN, **kw) -> bcg.GraphRunner:
+    x = torch.randn(8, hidden, device="cuda", dtype=DTYPE)
+    pos = torch.arange(8, device="cuda")
+    kw.setdefault("progress", False)
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x, pos), mode=mode, capture_live=_capture_live, **kw)
+    return runner.capture()
+
+
+def _batch(T: int, gen: torch.Generator, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    lengths = random_lengths(T, min(T, 1 + int(torch.randint(0, 4, (1,), generator=gen))), gen) if T > 1 else [T]
+    x = torch.randn(T, hidden, generator=gen).to("cuda", DTYPE)
+    return x, positions_for(lengths, T, "cuda"), {"lengths": lengths}
+
+
+def _padded_eager(model: TinyLlama, x: torch.Tensor, live: dict, n: int) -> torch.Tensor:
+    """``forward`` on the zero-padded size-``n`` input, sliced to T: the same kernels as bucket ``n``."""
+    T = x.shape[0]
+    xp = torch.zeros(n, x.shape[1], device="cuda", dtype=x.dtype)
+    xp[:T] = x
+    with bcg.live_scope(live), torch.no_grad():
+        return model(xp, positions_for(live["lengths"], n, "cuda"))[:T]
+
+
+def _lengths_for(buckets: list[int], n: int) -> list[int]:
+    """T = n, n - 1, the smallest T that maps to n, and a random one in between."""
+    prev = max([b for b in buckets if b < n], default=0)
+    return sorted({n, n - 1, prev + 1, random.Random(n).randint(prev + 1, n)} - {0})
+
+
+# -- bit-identical per bucket --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("returning", [False, True])
+def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: bool) -> None:
+    model = _model(returning)
+    buckets = [16, 32, 64, 128, 256]
+    runner = _runner(model, buckets)
+    reference = _runner(model, buckets, mode="eager")  # same ops, same padded shapes, eagerly
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for n in buckets:
+        for T in [1, *_lengths_for(buckets, n)]:
+            x, pos, live = _batch(T, gen)
+            y = runner(x, pos, live=live).clone()
+            bucket = runner.bucket_for(T)
+            assert y.shape == (T, HIDDEN)
+            assert torch.equal(y, reference(x, pos, live=live))
+            assert torch.equal(y, _padded_eager(model, x, live, bucket))
+            torch.testing.assert_close(
+                y.float(), _padded_eager(model, x, live, T).float(), rtol=0.1, atol=0.1
+            )  # unpadded: equal up to GEMM rounding (kernels change with M)
+            checked += 1
+    stats = runner.stats()
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
+    assert all(stats["replays"][b] >= 3 for b in buckets)
+    assert stats["graph_calls"] == checked
+    assert runner.graph(16).num_breakpoints == 2
+
+
+def test_decode_style_batches_padded_along_dim_1() -> None:
+    """Bucketing over the batch size of ``[2, B, H]`` inputs (pad_dim=1, per-bucket buffers)."""
+    torch.manual_seed(1)
+    emb = torch.nn.Embedding(1000, HIDDEN, device="cuda", dtype=DTYPE)
+    lin = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=DTYPE)
+
+    @bcg.breakpoint
+    def rows(h: torch.Tensor) -> torch.Tensor:
+        B = bcg.live()
+        out = torch.empty_like(h)
+        out[:, :B] = torch.tanh(h[:, :B])
+        return out
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return lin(rows(lin(emb(ids))))
+
+    buckets = bcg.default_buckets(64, min_tokens=1)
+    example = (torch.randint(0, 1000, (2, 4), device="cuda"),)
+    kw = dict(example_inputs=example, pad_dim=1, capture_live=lambda n: n, progress=False)
+    runner = bcg.GraphRunner(forward, buckets, **kw).capture()
+    reference = bcg.GraphRunner(forward, buckets, mode="eager", **kw).capture()
+    for B in (1, 2, 3, 5, 7, 8, 33, 63, 64):
+        ids = torch.randint(0, 1000, (2, B), device="cuda")
+        y = runner(ids, live=B)
+        assert y.shape == (2, B, HIDDEN)
+        assert torch.equal(y, reference(ids, live=B))
+        assert not torch.isnan(runner.bucket_outputs(runner.bucket_for(B))).any()
+
+
+# -- padding hygiene ----------------------------------------------------------------------------
+
+
+def _poison_pool(pool: tuple[int, int], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """Fill blocks of ``pool`` (small and large, on ``stream``) with NaN and free them; keep the graph."""
+    graph = torch.cuda.CUDAGraph()
+    sizes = [128 << 10] * 64 + [512 << 10] * 32 + [4 << 20] * 8 + [16 << 20] * 4 + [96 << 20] * 2
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        junk = [torch.empty(s // 2, device="cuda", dtype=torch.bfloat16) for s in sizes]
+        for j in junk:
+            j.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    return graph
+
+
+def _poison_default_allocator() -> None:
+    junk = [torch.full((s,), float("nan"), device="cuda", dtype=torch.bfloat16) for s in (1 << 16, 1 << 20, 1 << 26)]
+    torch.cuda.synchronize()
+    del junk
+
+
+@bcg.breakpoint
+def _rows_returning(h: torch.Tensor) -> torch.Tensor:
+    """A fresh ``torch.empty`` result (default allocator) with only the real rows written."""
+    T = sum(bcg.live()["lengths"])
+    out = torch.empty_like(h)
+    out[:T] = torch.tanh(h[:T])
+    return out
+
+
+@bcg.breakpoint(mutates=("out",))
+def _rows_into(h: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes only the real rows of ``out`` (pool memory)."""
+    T = sum(bcg.live()["lengths"])
+    out[:T] = h[:T] * 0.5
+
+
+class _Leaky(torch.nn.Module):
+    """Both breakpoints leave padded rows unwritten, and a sum over tokens follows each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=DTYPE)
+        self.b = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=DTYPE)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        r = _rows_returning(h)
+        h = h + r.sum(0, keepdim=True) / 1024
+        o = torch.empty_like(h)
+        _rows_into(h, o)
+        return self.b(o + o.sum(0, keepdim=True) / 1024)
+
+
+@pytest.mark.parametrize("which", ["llama", "leaky"])
+def test_no_nan_anywhere_with_huge_padding_and_poisoned_memory(which: str) -> None:
+    stream = torch.cuda.Stream()
+    pool = bcg.graph_pool_handle()
+    poison = _poison_pool(pool, stream)
+    model = _model(returning=False) if which == "llama" else _Leaky()
+    buckets = [64, 2048]
+    runner = _runner(model, buckets, pool=pool, stream=stream)
+    unsafe_pool = bcg.graph_pool_handle()
+    unsafe_poison = _poison_pool(unsafe_pool, stream)
+    unsafe = _runner(model, buckets, pool=unsafe_pool, stream=stream, sanitize=False)
+    gen = torch.Generator().manual_seed(3)
+    for T in (1, 2, 3, 63, 65):
+        _poison_default_allocator()
+        x, pos, live = _batch(T, gen)
+        y = runner(x, pos, live=live)
+        full = runner.bucket_outputs(runner.bucket_for(T))
+        assert torch.isfinite(y).all()
+        assert torch.isfinite(full).all(), f"NaN/inf in padded rows of bucket {runner.bucket_for(T)} at T={T}"
+        if which == "llama":
+            assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T)))
+        else:
+            with bcg.live_scope(live), torch.no_grad():
+                expected = model(x, pos)  # unpadded: the sums over tokens see only real rows
+            torch.testing.assert_close(y.float(), expected.float(), rtol=0.1, atol=0.1)
+        _poison_default_allocator()
+        unsafe(x, pos, live=live)
+        leaked = not bool(torch.isfinite(unsafe.bucket_outputs(unsafe.bucket_for(T))).all())
+        print(f"{which} T={T}: without sanitizing, padded rows carry NaN/inf: {leaked}")
+    del poison, unsafe_poison
+
+
+# -- fallbacks and guards ------------------------------------------------------------------------
+
+
+def test_each_fallback_reason_triggers_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 32:
+            x = x * (x.float().abs().sum().item() > -1)  # a host sync: not capturable
+        return model(x, pos)
+
+    example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
+    runner = bcg.GraphRunner(forward, [16, 32, 64], example_inputs=example, max_padding_ratio=0.5,
+                             capture_live=_capture_live, progress=False)
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        runner.capture()
+    failures = [r for r in caplog.records if "capturing bucket" in r.getMessage()]
+    assert len(failures) == 1 and "bucket 32" in failures[0].getMessage()
+    assert "HostSyncInCaptureError" in failures[0].getMessage()
+    assert list(runner.failed_buckets) == [32] and runner.captured_buckets == [16, 64]
+
+    gen = torch.Generator().manual_seed(4)
+    expected_reasons = {100: "too_large", 20: "capture_failed", 17: "capture_failed", 5: "padding_waste",
+                        40: None, 16: None, 10: None, 64: None}
+    for T, reason in expected_reasons.items():
+        before = runner.stats()["fallbacks"]
+        x, pos, live = _batch(T, gen)
+        y = runner(x, pos, live=live)
+        after = runner.stats()["fallbacks"]
+        if reason is None:
+            assert after == before
+            assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T)))
+        else:
+            assert after[reason] == before[reason] + 1
+            with bcg.live_scope(live), torch.no_grad():
+                assert torch.equal(y, forward(x, pos))  # forward on the real inputs
+    assert runner.stats()["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 2}
+
+
+def test_guards_name_the_input_before_any_side_effect() -> None:
+    runner = _runner(_model(), [16, 32])
+    gen = torch.Generator().manual_seed(5)
+    x, pos, live = _batch(10, gen)
+    runner(x, pos, live=live)
+    out = runner.bucket_outputs(16).clone()
+    buffers = [b.clone() for b in runner._buffers.values()]
+    calls = runner.stats()["calls"]
+    cases = [
+        ((x.cpu(), pos), ValueError, r"input 0 is on cpu; expected a torch.bfloat16 tensor on cuda:0 of shape \(T, 256\)"),
+        ((x.float(), pos), TypeError, r"input 0 has dtype torch.float32; expected a torch.bfloat16"),
+        ((x, pos.int()), TypeError, r"input 1 has dtype torch.int32; expected a torch.int64"),
+        ((x[:, :128], pos), ValueError, r"input 0 has shape \(10, 128\); expected .*\(T, 256\)"),
+        ((x, pos[:9]), ValueError, r"input 1 has 9 rows along its pad dim 0 but input 0 has 10"),
+        ((x,), TypeError, r"takes 2 input\(s\)"),
+    ]
+    for args, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            runner(*args, live=live)
+    assert runner.stats()["calls"] == calls
+    assert torch.equal(runner.bucket_outputs(16), out)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._buffers.values()))
+
+
+# -- pools ---------------------------------------------------------------------------------------
+
+
+def test_two_runners_sharing_one_pool_used_alternately() -> None:
+    model_a = _model()
+    model_b = _model(returning=True, hidden=128, intermediate=256)
+    runner_a = _runner(model_a, [32, 64, 128])
+    runner_b = _runner(model_b, [16, 64, 256], hidden=128, pool=runner_a.pool(), stream=runner_a.stream)
+    assert runner_b.pool() == runner_a.pool()
+    ref_a = _runner(model_a, [32, 64, 128], mode="eager")
+    ref_b = _runner(model_b, [16, 64, 256], mode="eager", hidden=128)
+    gen = torch.Generator().manual_seed(6)
+    rng = random.Random(6)
+    for i in range(24):
+        use_a = i % 2 == 0 if i < 12 else rng.random() < 0.5
+        runner, ref, hidden, top = (runner_a, ref_a, HIDDEN, 128) if use_a else (runner_b, ref_b, 128, 256)
+        x, pos, live = _batch(rng.randint(1, top), gen, hidden)
+        y = runner(x, pos, live=live).clone()  # valid until the next call of either runner
+        assert torch.equal(y, ref(x, pos, live=live))
+    assert runner_a.stats()["pool_bytes"] == runner_b.stats()["pool_bytes"] > 0
+
+
+def test_pool_of_all_buckets_is_close_to_the_largest_bucket_alone() -> None:
+    hidden = 1024
+    model = _model(hidden=hidden, intermediate=2048)
+    buckets = bcg.default_buckets(2048)
+    runner = _runner(model, buckets, hidden=hidden)
+    alone = runner.measure_largest_alone()
+    stats = runner.stats()
+    total = stats["pool_bytes"]
+    print(
+        f"pool of all {len(buckets)} buckets: {total / 2**20:.1f} MiB; largest bucket ({buckets[-1]}) "
+        f"alone: {alone / 2**20:.1f} MiB; ratio {total / alone:.3f}; capture {stats['capture_total_s']:.2f} s"
+    )
+    assert stats["largest_alone_pool_bytes"] == alone > 0
+    assert stats["pool_ratio"] == pytest.approx(total / alone)
+    assert total <= 1.1 * alone
+
+
+def test_capture_of_16_buckets_records_seconds_and_reset_frees_everything() -> None:
+    model = _model()
+    torch.cuda.synchronize()
+    reserved0 = torch.cuda.memory_reserved()
+    runner = _runner(model, bcg.default_buckets(4096))
+    stats = runner.stats()
+    assert len(stats["capture_s"]) == 16 and runner.captured_buckets == bcg.default_buckets(4096)
+    print(
+        f"16 buckets captured in {stats['capture_total_s']:.2f} s (per bucket: "
+        + ", ".join(f"{b}: {s * 1e3:.0f} ms" for b, s in stats["capture_s"].items())
+        + f"); pool {stats['pool_bytes'] / 2**20:.1f} MiB"
+    )
+    gen = torch.Generator().manual_seed(7)
+    x, pos, live = _batch(1, gen)
+    for _ in range(20):
+        runner(x, pos, live=live)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        runner(x, pos, live=live)
+    torch.cuda.synchronize()
+    print(f"T=1 call (bucket 16, 2 layers): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+    pool = runner.pool()
+    runner.reset()
+    torch.cuda.empty_cache()
+    assert bcg.memory.pool_bytes(pool, 0) == 0
+    print(f"reserved after reset: {(torch.cuda.memory_reserved() - reserved0) / 2**20:+.1f} MiB (cuBLAS workspaces)")
+    with pytest.raises(bcg.ReplayError):
+        runner(x, pos, live=live)
+
+
+def test_outputs_are_views_valid_until_the_next_call_unless_copied() -> None:
+    model = _model()
+    view_runner = _runner(model, [64])
+    copy_runner = _runner(model, [64], copy_outputs=True)
+    gen = torch.Generator().manual_seed(8)
+    x1, pos1, live1 = _batch(40, gen)
+    x2, pos2, live2 = _batch(40, gen)
+    v1 = view_runner(x1, pos1, live=live1)
+    c1 = copy_runner(x1, pos1, live=live1)
+    first = v1.clone()
+    assert torch.equal(c1, first)
+    v2 = view_runner(x2, pos2, live=live2)
+    copy_runner(x2, pos2, live=live2)
+    assert v1.data_ptr() == v2.data_ptr()  # the same static memory: v1 now holds the second result
+    assert torch.equal(c1, first)
