@@ -1,6 +1,7 @@
 # `make test` and `make bench` do all set-up on a fresh machine.
-# With an importable torch (the GPU box, no registry) the venv reuses the system
-# packages and bcg is installed without dependencies; otherwise the CPU wheel of
+# With an importable torch (the GPU box, no registry) the venv sees that
+# interpreter's packages (also when it is itself a venv, through a .pth file) and
+# bcg is installed without dependencies; otherwise the CPU wheel of
 # torch==2.13.0 and the test dependencies are installed from the registry.
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,8 +12,11 @@ STAMP := $(VENV)/.bcg-installed
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
-		echo "make: torch found in $(PYTHON): reusing system packages"; \
+		echo "make: torch found in $(PYTHON): reusing its packages"; \
 		$(PYTHON) -m venv --system-site-packages $(VENV) && \
+		$(PYTHON) -c "import site; print(chr(10).join(site.getsitepackages()))" \
+			> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/bcg-parent-site.pth" && \
+		$(PY) -c "import torch" && \
 		$(PY) -m pip install -q --no-deps --no-build-isolation -e . ; \
 	else \
 		$(PYTHON) -m venv $(VENV) && \

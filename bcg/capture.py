@@ -9,6 +9,7 @@ follows runs on real data and the capture itself computes a correct forward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -76,7 +77,12 @@ class CaptureSession:
     # -- segments ---------------------------------------------------------------
     def open_segment(self) -> None:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        try:
+            graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        except BaseException:
+            cudart.end_capture(self.stream_handle)
+            _reset_rng_capture_state(self.stream)  # torch opened it before failing
+            raise
         self._current = graph
 
     def close_segment(self) -> None:
@@ -149,21 +155,36 @@ class CaptureSession:
         self.open_segment()
 
     # -- failure ------------------------------------------------------------------
+    def _unwind(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End ``graph``'s capture through torch's own ``capture_end``, whatever state it is in.
+
+        An invalidated capture (a host sync inside a segment) makes torch's
+        ``capture_end`` raise before it unwinds its state (allocator routing in
+        the device and pinned-host allocators, RNG capture state). So the
+        invalidated capture is discarded and an empty one re-armed on the same
+        stream: torch's ``capture_end`` then succeeds and unwinds everything, and
+        ``reset()`` drops the pool counts as after any capture.
+        """
+        try:
+            if cudart.capture_status(self.stream_handle) != "active":
+                cudart.end_capture(self.stream_handle)
+                cudart.begin_capture(self.stream_handle)
+            with torch.cuda.stream(self.stream), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                graph.capture_end()
+        except Exception:  # last resort: undo what capture_begin did, piece by piece
+            log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
+            cudart.end_capture(self.stream_handle)
+            with contextlib.suppress(RuntimeError):
+                torch._C._cuda_endAllocateToPool(self.device, self.pool)
+                torch._C._cuda_releasePool(self.device, self.pool)
+            _reset_rng_capture_state(self.stream)
+
     def abort(self) -> None:
         """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
         graph, self._current = self._current, None
         if graph is not None:
-            try:
-                with torch.cuda.stream(self.stream), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                    graph.capture_end()
-            except Exception:
-                # The capture was invalidated: torch raised before releasing its
-                # allocator routing and its RNG capture state. Undo both.
-                cudart.end_capture(self.stream_handle)
-                torch._C._cuda_endAllocateToPool(self.device, self.pool)
-                torch._C._cuda_releasePool(self.device, self.pool)
-                _reset_rng_capture_state(self.stream)
+            self._unwind(graph)
             graph.reset()
         for step in self.plan:
             step.release()

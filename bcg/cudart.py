@@ -149,6 +149,12 @@ def end_capture(stream: int) -> None:
         rt.cudaGraphDestroy(graph)
 
 
+def begin_capture(stream: int) -> None:
+    """Begin a (relaxed-mode) capture on ``stream`` with the runtime API directly."""
+    rt = runtime()
+    check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed))
+
+
 def upload(graph_exec: int, stream: int) -> None:
     """Upload an executable graph so its first launch costs what later ones do."""
     check(runtime().cudaGraphUpload(graph_exec, stream))

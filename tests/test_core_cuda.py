@@ -24,14 +24,15 @@ def _capture(fn, *args, live=None, **kw):  # noqa: ANN001, ANN202
     return graph, out
 
 
-def _assert_clean(stream: torch.cuda.Stream | None = None) -> None:
-    """No stream capturing, and the next eager op and capture work."""
+def _assert_clean(stream: torch.cuda.Stream | None = None, pool: tuple[int, int] | None = None) -> None:
+    """No stream capturing, and the next eager op, random op and capture (into ``pool``) work."""
     assert not torch.cuda.is_current_stream_capturing()
     if stream is not None:
         assert cudart.capture_status(int(stream.cuda_stream)) == "none"
     x = torch.randn(64, device="cuda")
     torch.testing.assert_close((x * 2).sum().item(), x.sum().item() * 2, rtol=1e-4, atol=1e-4)
     static = torch.randn(32, device="cuda")
+    torch.nn.functional.dropout(static, 0.5)
 
     @bcg.breakpoint
     def double(t: torch.Tensor) -> None:
@@ -42,7 +43,7 @@ def _assert_clean(stream: torch.cuda.Stream | None = None) -> None:
         double(u)
         return u - 1
 
-    graph, out = _capture(fn, static)
+    graph, out = _capture(fn, static, pool=pool, stream=stream)
     static.copy_(torch.randn(32, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, (static + 1) * 2 - 1, rtol=0, atol=0)
@@ -372,13 +373,14 @@ def test_stats_count_kernel_nodes_per_segment() -> None:
 def test_item_inside_a_segment_raises_host_sync_error_naming_the_line() -> None:
     graph = bcg.BreakableGraph()
     stream = torch.cuda.Stream()
+    pool = bcg.graph_pool_handle()
     x = torch.randn(4, device="cuda")
     with pytest.raises(bcg.HostSyncInCaptureError, match=r"test_core_cuda.py:\d+: .*\.item\(\)"):
-        with bcg.capture(graph, stream=stream):
+        with bcg.capture(graph, stream=stream, pool=pool):
             y = x * 2
             y.sum().item()
     assert not graph.is_captured
-    _assert_clean(stream)
+    _assert_clean(stream, pool)  # the same stream and the same pool capture again
 
 
 def test_pageable_host_copy_inside_a_segment_raises_host_sync_error() -> None:
@@ -386,10 +388,11 @@ def test_pageable_host_copy_inside_a_segment_raises_host_sync_error() -> None:
     stream = torch.cuda.Stream()
     x = torch.randn(4, device="cuda")
     host = torch.randn(4)  # pageable
+    pool = bcg.graph_pool_handle()
     with pytest.raises(bcg.HostSyncInCaptureError, match="segment"):
-        with bcg.capture(graph, stream=stream):
+        with bcg.capture(graph, stream=stream, pool=pool):
             x.copy_(host)
-    _assert_clean(stream)
+    _assert_clean(stream, pool)
 
 
 def test_host_sync_in_a_later_segment_releases_earlier_segments() -> None:
@@ -608,3 +611,20 @@ def test_make_graph_captures_and_knows_its_outputs() -> None:
         a = graph.replay(live={"lengths": lengths})
         b = eager_graph.replay(live={"lengths": lengths})
         assert torch.equal(a, b)
+
+
+def test_a_swallowed_host_sync_error_still_fails_the_capture_cleanly() -> None:
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    pool = bcg.graph_pool_handle()
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(bcg.HostSyncInCaptureError):
+        with bcg.capture(graph, stream=stream, pool=pool):
+            y = x * 2
+            try:
+                y.sum().item()
+            except RuntimeError:
+                pass  # the capture is invalidated all the same
+    del y
+    _assert_clean(stream, pool)
+    _assert_clean(stream, pool)

@@ -224,11 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    extras: dict[str, Any] = {}  # top-level sections a workload adds (llama: "runner")
 
     def save() -> None:
         if out_dir is not None:
             report.write_json(out_dir / "bench.json", env, config, rows,
-                              {"skipped": skipped, "errors": errors, "notes": notes})
+                              {**extras, "skipped": skipped, "errors": errors, "notes": notes})
 
     plan = [(name, point) for name in workloads for point in WORKLOADS[name].points(args)]
     from tqdm import tqdm
@@ -269,12 +270,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 save()
                 del case, ref
                 _cleanup(cuda)
+            if hasattr(module, "extra"):
+                bar.set_description(f"{name}: extra measures", refresh=tty)
+                try:
+                    extras.update(module.extra(state, args, device))
+                except Exception as exc:
+                    errors.append({"workload": name, "extra": True, "error": f"{type(exc).__name__}: {exc}"})
+                    bar.write(f"bcg-bench: {name} extra measures FAILED: {type(exc).__name__}: {exc}")
+                save()
             del state
             _cleanup(cuda)
     finally:
         bar.close()
     print()
     print(report.format_table(rows) if rows else "bcg-bench: no rows")
+    ladder = extras.get("runner")
+    if ladder:
+        print(
+            f"\nrunner ladder ({len(ladder['buckets'])} buckets up to {ladder['buckets'][-1]}): capture "
+            f"{ladder['capture_s_total']:.2f} s; pool {ladder['pool_mib_total']:.1f} MiB all buckets vs "
+            f"{ladder['pool_mib_largest_alone']:.1f} MiB largest alone (ratio {ladder['pool_ratio']:.3f})"
+        )
     print(f"\ntiming: {TIMING_NOTE}")
     if not cuda:
         print("bcg-bench: graph timings need an NVIDIA GPU; this was an eager smoke run (exit 0).")

@@ -106,22 +106,33 @@ def _native_reason() -> str | None:
     return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
 
 
-def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
-    graph = bcg.make_graph(
-        case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup
+def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None) -> Built:
+    """The library as a serving engine uses it: a GraphRunner with one bucket of size T."""
+    live = case.live
+    runner = bcg.GraphRunner(
+        case.forward(case.bp),
+        buckets=[case.T] if case.T is not None else [case.static_args[0].shape[0]],
+        example_inputs=case.static_args,
+        capture_live=live,
+        progress=False,
     )
+    t0 = time.perf_counter()
+    runner.capture()
+    capture_s = time.perf_counter() - t0
+    graph = runner.graph(runner.buckets[0])
+    if graph is None:
+        raise RuntimeError(f"the runner's capture failed: {runner.stats()['failed_buckets']}")
     if executor is not None:
         graph.use_executor(executor)
     torch.cuda.synchronize()
     stats = graph.stats()
-    live = case.live
-    replay = graph.replay
+    args = case.static_args
     return Built(
-        run=lambda: replay(live=live),
-        capture_s=stats.capture_s,
-        pool_bytes=stats.pool_bytes,
+        run=lambda: runner(*args, live=live),
+        capture_s=capture_s,
+        pool_bytes=runner.stats()["pool_bytes"],
         info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
-        close=graph.reset,
+        close=runner.reset,
     )
 
 
@@ -174,18 +185,18 @@ def build_floor(case: Case, ctx: BuildContext) -> Built:
     )
 
 
-@register_mode("bcg", help="bcg.BreakableGraph (make_graph), default executor")
+@register_mode("bcg", help="bcg.GraphRunner (one bucket = T), default executor")
 def build_bcg(case: Case, ctx: BuildContext) -> Built:
-    return _bcg_graph(case, ctx, None)
+    return _bcg_runner(case, ctx, None)
 
 
 @register_mode(
     "bcg-python",
-    help="bcg.BreakableGraph with use_executor('python') (only when a native executor exists)",
+    help="bcg.GraphRunner with use_executor('python') (only when a native executor exists)",
     available=_native_reason,
 )
 def build_bcg_python(case: Case, ctx: BuildContext) -> Built:
-    return _bcg_graph(case, ctx, "python")
+    return _bcg_runner(case, ctx, "python")
 
 
 @register_mode("bcg-eager", needs_cuda=False, help="bcg.make_graph(..., mode='eager'): re-runs the function")

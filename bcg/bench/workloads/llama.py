@@ -23,6 +23,7 @@ over the head dimension, written as expand+reshape: one copy kernel).
 from __future__ import annotations
 
 import argparse
+import time
 import inspect
 import itertools
 import random
@@ -101,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokens", type=int_list, default=[128, 512, 2048],
                    help="comma-separated T values (total tokens of the batch; default 128,512,2048)")
     g.add_argument("--requests", type=int, default=4, help="requests per batch (default 4)")
+    g.add_argument("--ladder-max", type=int, default=4096,
+                   help="capture a GraphRunner over the default 16-bucket ladder up to this many tokens and "
+                   "report its capture time and pool size (GPU only; 0 skips; default 4096)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
                    help="attention implementations: varlen,loop (default both)")
 
@@ -320,7 +324,7 @@ def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) 
 
 
 def setup(args: argparse.Namespace, device: torch.device) -> LlamaModel:
-    return LlamaModel(shape(args), device, max_pos=max(args.tokens), seed=args.seed)
+    return LlamaModel(shape(args), device, max_pos=max(*args.tokens, args.ladder_max), seed=args.seed)
 
 
 def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, attn: str | None, T: int | None) -> Case:
@@ -354,3 +358,55 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         write_inputs=write_inputs,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
     )
+
+
+# -- the bucket ladder: what a serving engine captures ---------------------------------------
+
+
+def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``{"runner": ...}``: capture a GraphRunner over the default 16-bucket ladder up to
+    ``--ladder-max`` tokens (varlen attention, one pool, largest first), then the largest
+    bucket alone in a fresh pool; report capture seconds and both pool sizes."""
+    if device.type != "cuda" or args.ladder_max <= 0:
+        return {}
+    buckets = bcg.default_buckets(args.ladder_max)
+    x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
+    pos = torch.arange(buckets[-1], device=device)
+    runner = bcg.GraphRunner(
+        lambda x, pos: model.forward(x, pos, attention_varlen),
+        buckets=buckets,
+        example_inputs=(x, pos),
+        capture_live=lambda bucket: Batch(tuple(request_lengths(bucket, args.requests, args.seed))),
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    runner.capture()
+    total = time.perf_counter() - t0
+    stats = runner.stats()
+    runner.measure_largest_alone()
+    stats = runner.stats()
+    # one call per bucket, checked against the eager forward on the same (padded) inputs
+    worst = 0.0
+    for b in buckets[:: max(1, len(buckets) // 4)]:
+        T = max(1, b - 1)
+        lengths = tuple(request_lengths(T, min(args.requests, T), args.seed))
+        xb, pb = torch.randn(T, model.hidden, device=device, dtype=model.dtype), torch.cat([torch.arange(n, device=device) for n in lengths])
+        y = runner(xb, pb, live=Batch(lengths))
+        with bcg.live_scope(Batch(lengths)):
+            ref = model.forward(xb, pb, attention_varlen)
+        worst = max(worst, float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)))
+    runner.reset()
+    return {
+        "runner": {
+            "buckets": buckets,
+            "capture_s": {str(b): s for b, s in stats["capture_s"].items()},
+            "capture_s_total": total,
+            "pool_mib_total": stats["pool_bytes"] / 2**20,
+            "pool_mib_largest_alone": stats["largest_alone_pool_bytes"] / 2**20,
+            "pool_ratio": stats["pool_ratio"],
+            "failed_buckets": stats["failed_buckets"],
+            "rel_err_vs_unpadded_eager": worst,
+            "note": "capture_s includes each bucket's eager warm-up; rel_err compares runner(T=bucket-1) "
+            "with the unpadded eager forward (GEMM kernels may differ with M, so not necessarily 0)",
+        }
+    }
