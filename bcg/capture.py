@@ -58,8 +58,10 @@ class CaptureSession:
         device: int,
         ownership: Ownership = "graph",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
+        owns_pool: bool = True,
     ) -> None:
         self.pool = pool
+        self.owns_pool = owns_pool
         self.pool_ref = PoolAnchor(device, pool, stream)
         self.empty_segments: list[torch.cuda.CUDAGraph] = []
         self._membership = PoolMembership(pool, device) if ownership == "pool" else None
@@ -192,8 +194,9 @@ class CaptureSession:
         for empty in self.empty_segments:
             empty.reset()
         self.empty_segments.clear()
-        self.pool_ref.release()
-        torch.cuda.empty_cache()  # an abandoned pool goes back to the driver
+        if self.owns_pool:
+            self.pool_ref.release()
+            torch.cuda.empty_cache()  # an abandoned pool of our own goes back to the driver
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
@@ -270,7 +273,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         torch.cuda.synchronize(device)
         self._ambient = torch.cuda.current_stream(device)
         stream.wait_stream(self._ambient)
-        self._session = CaptureSession(pool, stream, self._mode, device, self._ownership, self._after_breakpoint)
+        self._session = CaptureSession(
+            pool, stream, self._mode, device, self._ownership, self._after_breakpoint, owns_pool=self._pool is None
+        )
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
@@ -278,9 +283,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._t0 = time.perf_counter()
         try:
             self._session.open_segment()
-        except BaseException:
-            self._restore()
-            self._session.abort()
+        except BaseException as exc:
+            self._fail(self._session, exc)
             raise
         return self.graph
 
@@ -360,6 +364,11 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._segment = session._segment_index
         try:
             session.abort()
+            if not session.owns_pool:
+                # A pool the caller gave us stays usable: torch refuses to capture into a pool
+                # whose count dropped to zero while tensors still live in it. The graph keeps
+                # the count until it is reset or captured again.
+                self.graph._hold_pool(session.pool_ref)
         finally:
             self._restore()
             try:

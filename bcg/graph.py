@@ -84,6 +84,8 @@ class BreakableGraph:
         self._guards = guards if guards else None
         self._poison = poison
         self._plan = tuple(plan)
+        if self._pool_ref is not None and self._pool_ref is not pool_ref:
+            self._pool_ref.release()  # held since an abandoned capture
         self._pool_ref = pool_ref
         self._keepalive = list(keepalive)
         self._mode = mode
@@ -104,6 +106,12 @@ class BreakableGraph:
     def executor(self) -> str:
         """Which executor replays this graph (``"python"`` or ``"native"``)."""
         return self._executor.name if self._executor is not None else "none"
+
+    def _hold_pool(self, anchor: PoolAnchor) -> None:
+        """Keep a caller's pool counted after an abandoned capture (released by reset())."""
+        if self._pool_ref is not None and self._pool_ref is not anchor:
+            self._pool_ref.release()
+        self._pool_ref = anchor
 
     # -- inspection ---------------------------------------------------------------------
     @property

@@ -83,7 +83,7 @@ from bcg.capture import capture
 from bcg.errors import BcgError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.live import _UNSET, live_scope
-from bcg.memory import PoolHandle, graph_pool_handle, pool_bytes
+from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle, pool_bytes
 from bcg.recorder import ACTIVE
 
 log = logging.getLogger("bcg")
@@ -376,6 +376,7 @@ class GraphRunner:
         self._user_pool = pool
         self._pool: PoolHandle | None = pool
         self._stream = stream
+        self._pool_anchor: PoolAnchor | None = None
         guard = _PoolGuard()
         self._guard = _guard_for(pool, guard) if pool is not None else guard
         self._largest_alone: int | None = None
@@ -469,6 +470,8 @@ class GraphRunner:
                 self._guard = _guard_for(self._pool, self._guard)
             if self._stream is None:
                 self._stream = torch.cuda.Stream(dev)
+            if self._pool_anchor is None:  # the pool outlives any one bucket's graph, failed ones too
+                self._pool_anchor = PoolAnchor(self._device.index or 0, self._pool, self._stream)
 
     def _views(self, n: int) -> list[Any]:
         """The inputs ``forward`` is run on at size ``n``: static buffers of ``n`` rows, and the rest."""
@@ -1001,6 +1004,9 @@ class GraphRunner:
                 if bucket.graph is not None:
                     bucket.graph.reset()
                     bucket.graph = None
+            if self._pool_anchor is not None:
+                self._pool_anchor.release()
+                self._pool_anchor = None
             if self._user_pool is None:
                 self._pool = None  # a pool whose graphs are all gone is not captured into again
             self._largest_alone = None

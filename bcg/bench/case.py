@@ -40,6 +40,9 @@ class Case:
     iters: int | None = None  # timed replays for this case (None: --iters)
     # workload-specific measures added to each row (row, timing context) -> None
     finish_row: Callable[[dict[str, Any]], None] | None = None
+    # bcg modes through a GraphRunner (serving-style: inputs copied into padded static
+    # buffers each call) or a bare make_graph (the library's own replay cost only)
+    use_runner: bool = True
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -165,6 +166,7 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.list:
         print(_list())
         return 0

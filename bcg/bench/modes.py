@@ -106,8 +106,27 @@ def _native_reason() -> str | None:
     return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
 
 
+def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
+    """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
+    graph = bcg.make_graph(case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup)
+    if executor is not None:
+        graph.use_executor(executor)
+    torch.cuda.synchronize()
+    stats = graph.stats()
+    live, replay = case.live, graph.replay
+    return Built(
+        run=lambda: replay(live=live),
+        capture_s=stats.capture_s,
+        pool_bytes=stats.pool_bytes,
+        info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
+        close=graph.reset,
+    )
+
+
 def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None) -> Built:
     """The library as a serving engine uses it: a GraphRunner with one bucket of size T."""
+    if not case.use_runner:
+        return _bcg_graph(case, ctx, executor)
     live = case.live
     runner = bcg.GraphRunner(
         case.forward(case.bp),

@@ -101,6 +101,7 @@ def make_case(state: None, args: argparse.Namespace, device: torch.device, attn:
     state_cache: dict[str, float] = {}
     return Case(
         workload=NAME,
+        use_runner=False,
         attn=None,
         T=None,
         device=device,
