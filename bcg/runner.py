@@ -304,7 +304,11 @@ class GraphRunner:
 
     ``buckets``: sizes to capture (default :func:`bcg.default_buckets`).
     ``capture_live``: what :func:`bcg.live` returns during each bucket's
-    warm-up and capture; a callable is called with the bucket size.
+    warm-up and capture; a callable is called with the size. Give a callable
+    whenever live metadata depends on the size (request lengths do): the
+    forward also runs once at a probe size that is not a bucket, to learn
+    which dims grow with the size, and metadata for another size would make
+    attention read out of bounds.
     ``max_padding_ratio``: run eagerly when ``(bucket - T) / bucket`` exceeds
     it (default ``None``: never). ``copy_outputs``: return copies instead of
     views valid until the next call. ``sanitize``: zero padded rows of inputs

@@ -560,8 +560,8 @@ def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
     for i in range(10_000):
         graph.replay(live=1 + i % 128)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == allocated
-    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.memory_allocated() <= allocated
+    assert torch.cuda.memory_reserved() <= reserved
 
 
 def test_pool_ownership_lets_later_segments_reuse_breakpoint_memory() -> None:

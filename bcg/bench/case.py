@@ -43,6 +43,8 @@ class Case:
     # bcg modes through a GraphRunner (serving-style: inputs copied into padded static
     # buffers each call) or a bare make_graph (the library's own replay cost only)
     use_runner: bool = True
+    # the live metadata for another token count (a runner runs the forward at other sizes)
+    live_for: Callable[[int], Any] | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

@@ -132,7 +132,7 @@ def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None) -> Built:
         case.forward(case.bp),
         buckets=[case.T] if case.T is not None else [case.static_args[0].shape[0]],
         example_inputs=case.static_args,
-        capture_live=live,
+        capture_live=case.live_for if case.live_for is not None else live,
         progress=False,
     )
     t0 = time.perf_counter()

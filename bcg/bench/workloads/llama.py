@@ -357,6 +357,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         num_breaks=model.shape["layers"],
         write_inputs=write_inputs,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
+        live_for=lambda n: Batch(tuple(request_lengths(n, min(args.requests, n), args.seed))),
     )
 
 
