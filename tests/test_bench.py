@@ -94,7 +94,7 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 
 def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    expected = ["eager", "floor", "bcg", "bcg-python", "bcg-eager", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
+    expected = ["eager", "floor", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
     assert list(modes.MODES) == expected
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out

@@ -209,6 +209,11 @@ def build_bcg(case: Case, ctx: BuildContext) -> Built:
     return _bcg_runner(case, ctx, None)
 
 
+@register_mode("bcg-graph", help="a bare bcg.make_graph (no runner: no input copies, no padding sanitizers)")
+def build_bcg_graph(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_graph(case, ctx, None)
+
+
 @register_mode(
     "bcg-python",
     help="bcg.GraphRunner with use_executor('python') (only when a native executor exists)",
