@@ -91,7 +91,7 @@ class BridgeSet:
                         f"but is {type(leaf).__name__} at replay"
                     )
                 self._refresh_tensor(i, leaf)
-            elif not _same_value(leaf, self._leaves[i]):
+            elif not same_value(leaf, self._leaves[i]):
                 raise BreakpointOutputMismatch(
                     f"breakpoint {self.name!r} output {i} is {leaf!r} at replay but was "
                     f"{self._leaves[i]!r} at capture; non-tensor results are frozen at capture "
@@ -112,7 +112,8 @@ class BridgeSet:
         bridge.copy_(fresh)
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b`` for frozen Python values, never raising (identity first)."""
     if a is b:
         return True
     try:

@@ -79,6 +79,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
+from bcg.bridge import same_value
 from bcg.capture import capture
 from bcg.errors import BcgError, ReplayError
 from bcg.graph import BreakableGraph
@@ -150,15 +151,6 @@ class _Input:
                 "example_inputs (it is not padded, pad_dim None: the graphs read it in place)"
             )
         return f"a {self.dtype} tensor on {self.device} of shape {self.shape_text()}, T along dim {self.pad_dim}"
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -805,7 +797,7 @@ class GraphRunner:
         first = -1
         for s, x in zip(specs, inputs):
             if s.kind == _VALUE:
-                if not _same_value(x, s.example):
+                if not same_value(x, s.example):
                     raise ValueError(f"input {s.index} is {x!r}; expected {s.describe()}")
                 continue
             if not isinstance(x, torch.Tensor):

@@ -376,6 +376,28 @@ parse_stream(PyObject *obj, CUstream *stream)
     return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* Parse ``(stream, device=-1)`` positional arguments of ``replay``/``upload``. */
+static int
+parse_stream_device(const char *name, PyObject *const *args, Py_ssize_t nargs, CUstream *stream, int *device)
+{
+    *stream = NULL;
+    *device = -1;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 1 or 2 positional arguments (stream, device), "
+                     "%zd given", name, nargs);
+        return -1;
+    }
+    if (parse_stream(args[0], stream) < 0)
+        return -1;
+    if (nargs == 2) {
+        long d = PyLong_AsLong(args[1]);
+        if (d == -1 && PyErr_Occurred())
+            return -1;
+        *device = d < 0 ? -1 : (int)(d > INT32_MAX ? INT32_MAX : d);
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(Plan_replay_doc,
 "replay(stream, device=-1, /)\n--\n\n"
 "Run every step in order: launch each graph handle on ``stream`` (an int\n"
@@ -392,21 +414,10 @@ PyDoc_STRVAR(Plan_replay_doc,
 static PyObject *
 Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    CUstream stream = NULL;
-    int device = -1;
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "replay() takes 1 or 2 positional arguments (stream, device), "
-                     "%zd given", nargs);
+    CUstream stream;
+    int device;
+    if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
         return NULL;
-    }
-    if (parse_stream(args[0], &stream) < 0)
-        return NULL;
-    if (nargs == 2) {
-        long d = PyLong_AsLong(args[1]);
-        if (d == -1 && PyErr_Occurred())
-            return NULL;
-        device = d < 0 ? -1 : (int)(d > INT32_MAX ? INT32_MAX : d);
-    }
     self->failed = -1;
     if (self->launches > 0) {
         /* Before any step runs: a missing driver refuses the whole replay. */
@@ -458,21 +469,10 @@ PyDoc_STRVAR(Plan_upload_doc,
 static PyObject *
 Plan_upload(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    CUstream stream = NULL;
-    int device = -1;
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "upload() takes 1 or 2 positional arguments (stream, device), "
-                     "%zd given", nargs);
+    CUstream stream;
+    int device;
+    if (parse_stream_device("upload", args, nargs, &stream, &device) < 0)
         return NULL;
-    }
-    if (parse_stream(args[0], &stream) < 0)
-        return NULL;
-    if (nargs == 2) {
-        long d = PyLong_AsLong(args[1]);
-        if (d == -1 && PyErr_Occurred())
-            return NULL;
-        device = d < 0 ? -1 : (int)(d > INT32_MAX ? INT32_MAX : d);
-    }
     if (self->launches == 0)
         Py_RETURN_NONE;
     if (load_driver() < 0 || ensure_context(device) < 0)
