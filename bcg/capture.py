@@ -167,20 +167,26 @@ class CaptureSession:
         stream: torch's ``capture_end`` then succeeds and unwinds everything, and
         ``reset()`` drops the pool counts as after any capture.
         """
-        try:
-            if cudart.capture_status(self.stream_handle) != "active":
+        for attempt in (1, 2):
+            try:
+                if cudart.capture_status(self.stream_handle) != "active":
+                    cudart.end_capture(self.stream_handle)
+                    cudart.begin_capture(self.stream_handle)
+                with torch.cuda.stream(self.stream), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                    graph.capture_end()
+                return
+            except Exception:
+                # torch's capture_end ended an invalidated capture, then raised: the stream is
+                # no longer capturing, so the second attempt re-arms it and succeeds.
+                if attempt == 1:
+                    continue
+                log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
                 cudart.end_capture(self.stream_handle)
-                cudart.begin_capture(self.stream_handle)
-            with torch.cuda.stream(self.stream), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                graph.capture_end()
-        except Exception:  # last resort: undo what capture_begin did, piece by piece
-            log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
-            cudart.end_capture(self.stream_handle)
-            with contextlib.suppress(RuntimeError):
-                torch._C._cuda_endAllocateToPool(self.device, self.pool)
-                torch._C._cuda_releasePool(self.device, self.pool)
-            _reset_rng_capture_state(self.stream)
+                with contextlib.suppress(RuntimeError):
+                    torch._C._cuda_endAllocateToPool(self.device, self.pool)
+                    torch._C._cuda_releasePool(self.device, self.pool)
+                _reset_rng_capture_state(self.stream)
 
     def abort(self) -> None:
         """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
