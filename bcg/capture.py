@@ -392,7 +392,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             "Segments may only enqueue GPU work. Move host-synchronizing code (.item(), "
             ".tolist(), .cpu(), printing a tensor, copies from pageable host memory, "
             "data-dependent control flow) into a @bcg.breakpoint function, or read the "
-            "value from bcg.live(). The capture was abandoned; CUDA state is clean."
+            "value from bcg.live(). If the segment holds no such code, it ran code for the "
+            "first time (lazy kernel loading, library handles): run it once eagerly before "
+            "capturing. The capture was abandoned; CUDA state is clean."
         )
 
 

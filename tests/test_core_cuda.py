@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -43,6 +44,7 @@ def _assert_clean(stream: torch.cuda.Stream | None = None, pool: tuple[int, int]
         double(u)
         return u - 1
 
+    fn(static.clone())  # warm up: lazily loaded kernels must not load inside a segment
     graph, out = _capture(fn, static, pool=pool, stream=stream)
     static.copy_(torch.randn(32, device="cuda"))
     graph.replay()
@@ -518,9 +520,9 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
         return t.repeat(2, 1)
 
     x = torch.randn(1024, 1024, device="cuda")
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    reserved0 = torch.cuda.memory_reserved()
     allocated0 = torch.cuda.memory_allocated()
 
     def fn(a: torch.Tensor) -> torch.Tensor:
@@ -529,12 +531,14 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
         return (g + 1).sum()
 
     graph, out = _capture(fn, x)
-    assert graph.stats().pool_bytes >= 3 * x.nbytes
-    assert torch.cuda.memory_reserved() > reserved0
+    pool = graph.stats().pool_bytes
+    assert pool >= 3 * x.nbytes
+    assert torch.cuda.memory_allocated() >= allocated0 + 3 * x.nbytes
+    reserved_captured = torch.cuda.memory_reserved()
     del out
     graph.reset()
-    assert torch.cuda.memory_allocated() == allocated0
-    assert torch.cuda.memory_reserved() == reserved0
+    assert torch.cuda.memory_allocated() <= allocated0
+    assert torch.cuda.memory_reserved() <= reserved_captured - pool  # the pool went back to the driver
 
 
 @pytest.mark.parametrize("ownership", OWNERSHIPS)
