@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from bcg import cudart
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.bridge import BridgeSet, tensor_storages
+from bcg.compiled import CompileWatch
 from bcg.debug import Guards, Poison, env_flag
 from bcg.errors import BcgError, CaptureError, add_note, HostSyncInCaptureError, NestedCaptureError
 from bcg.live import _UNSET, reset_live, set_live
@@ -286,6 +287,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
         self._live_token = set_live(self._live) if self._live is not _UNSET else None
+        self._compile_watch = CompileWatch().__enter__()
         self._t0 = time.perf_counter()
         try:
             self._session.open_segment()
@@ -304,9 +306,11 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             try:
                 session.close_segment()
             except BaseException as close_exc:
-                self._fail(session, close_exc)
-                raise self._translate(close_exc, session) from close_exc
+                raise self._abandon(session, close_exc) from close_exc
             capture_s = time.perf_counter() - self._t0
+            compiled = self._compile_watch.message()
+            if compiled is not None:
+                log.warning("%s", compiled)
             self._restore()
             self._ambient.wait_stream(session.stream)
             self.graph._install(
@@ -324,8 +328,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 self.graph.num_segments, self.graph.num_breakpoints, capture_s,
             )
             return False
-        self._fail(session, exc)
-        translated = self._translate(exc, session)
+        translated = self._abandon(session, exc)
         if translated is exc:
             return False
         raise translated from exc
@@ -356,10 +359,20 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         return Poison(session.pool, session.device, list(held.values()))
 
     def _restore(self) -> None:
+        self._compile_watch.__exit__(None, None, None)
         if self._live_token is not None:
             reset_live(self._live_token)
         ACTIVE.reset(self._active_token)
         self._stream_ctx.__exit__(None, None, None)
+
+    def _abandon(self, session: CaptureSession, exc: BaseException) -> BaseException:
+        """Abandon the capture after ``exc``; return the exception to raise (maybe translated)."""
+        compiled = self._compile_watch.message()
+        self._fail(session, exc)
+        translated = self._translate(exc, session)
+        if compiled is not None:
+            add_note(translated, compiled)
+        return translated
 
     def _fail(self, session: CaptureSession, exc: BaseException) -> None:
         status = cudart.capture_status(session.stream_handle)

@@ -179,8 +179,7 @@ class BreakableGraph:
         code returned). A breakpoint that raises stops the replay; the graph
         stays replayable.
         """
-        executor = self._executor
-        if executor is None:
+        if self._executor is None:
             if self._rerun is None:
                 raise ReplayError(self._not_captured_message())
         elif torch.cuda.current_device() != self._device:
@@ -188,10 +187,15 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{self._device} but the current device is "
                 f"cuda:{torch.cuda.current_device()}: replay it under torch.cuda.device({self._device})"
             )
+        return self._replay_unchecked(live)
+
+    def _replay_unchecked(self, live: Any = _UNSET) -> Any:
+        """:meth:`replay` for a caller that has checked capture state and device (GraphRunner)."""
         if self._guards is not None:
             self._guards.check()
         if self._poison is not None:
             self._poison.apply()
+        executor = self._executor
         token = set_live(live) if live is not _UNSET else None
         try:
             if executor is not None:

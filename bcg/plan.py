@@ -8,6 +8,7 @@ recorded can be handed to anybody else while the graph lives.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -72,25 +73,37 @@ class BreakpointStep:
             self._run = _make_runner(self)
         return self._run
 
+    def call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any] | None, Callable[[Any], None] | None, bool]:
+        """``(fn, args, kwargs, on_result, always)``: the replay call without a wrapper.
+
+        ``on_result(result)`` refreshes the bridges; it must run when the
+        result is not None, or always when the capture returned tensors or
+        values (so a ``None`` at replay is reported as a mismatch).
+        """
+        bridges = self.bridges
+        on_result = bridges.refresh if bridges is not None else None
+        always = bridges is not None and not bridges.empty
+        return self.spec.fn, tuple(self.args), dict(self.kwargs) or None, on_result, always
+
     def release(self) -> None:
         self.args, self.kwargs, self.bridges, self._run = (), {}, None, None
 
 
 def _make_runner(step: BreakpointStep) -> Callable[[], None]:
-    fn, args, kwargs, bridges = step.spec.fn, step.args, step.kwargs, step.bridges
-    if bridges is None or bridges.empty:
-        if kwargs:
-            return lambda: _expect_none(step, fn(*args, **kwargs))
-        return lambda: _expect_none(step, fn(*args))
-    refresh = bridges.refresh
-    if kwargs:
-        return lambda: refresh(fn(*args, **kwargs))
-    return lambda: refresh(fn(*args))
+    """The replay call of ``step`` as a closure (the Python executor's and the profiler's)."""
+    fn, args, kwargs, on_result, always = step.call()
+    kw = kwargs or {}
+    if on_result is None:
+        return functools.partial(fn, *args, **kw)
+    if always:
+        return lambda: on_result(fn(*args, **kw))
 
+    def run() -> None:
+        result = fn(*args, **kw)
+        if result is not None:
+            on_result(result)  # raises the mismatch: the capture returned None
 
-def _expect_none(step: BreakpointStep, result: Any) -> None:
-    if result is not None and step.bridges is not None:
-        step.bridges.refresh(result)  # raises the structure mismatch
+    return run
 
 
 Step = Union[SegmentStep, BreakpointStep]

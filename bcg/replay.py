@@ -39,18 +39,37 @@ class PythonExecutor:
         self._plan = tuple(plan)
 
     def run(self) -> None:
-        i = 0
         try:
-            for i, launch in enumerate(self._launches):
+            for launch in self._launches:
                 launch()
         except BaseException as exc:
-            step = self._plan[i]
-            if isinstance(step, BreakpointStep):
+            step = _failed_breakpoint(exc, self._plan)
+            if step is not None:
                 add_note(exc, _breakpoint_note(step))
             raise
 
 
-def _stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
+def _failed_breakpoint(exc: BaseException, plan: Sequence[Step]) -> BreakpointStep | None:
+    """The breakpoint whose function raised ``exc`` (read from its traceback), if any.
+
+    Only runs after a failure, so the replay loop itself counts nothing.
+    """
+    codes: dict[Any, BreakpointStep] = {}
+    for step in plan:
+        if isinstance(step, BreakpointStep):
+            code = getattr(step.spec.fn, "__code__", None)
+            if code is not None:
+                codes.setdefault(code, step)
+    tb = exc.__traceback__
+    while tb is not None:
+        step = codes.get(tb.tb_frame.f_code)
+        if step is not None:
+            return step
+        tb = tb.tb_next
+    return None
+
+
+def stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
     """``(current device, current raw stream of a device)``, the cheapest way torch offers."""
     import torch
 
@@ -77,16 +96,18 @@ class NativeExecutor:
         self._plan = tuple(plan)
         steps: list[Any] = []
         for step in self._plan:
-            if isinstance(step, SegmentStep) and not step.uses_rng:
-                steps.append(step.exec_handle)
-            else:
+            if isinstance(step, BreakpointStep):
+                steps.append(step.call())
+            elif step.uses_rng:
                 steps.append(step.launch)
+            else:
+                steps.append(step.exec_handle)
         self._native = native.module().Plan(steps)
         self._replay: Callable[..., None] = self._native.replay
         self._get_device: Callable[[], int] | None = None
         self._get_stream: Callable[[int], int] | None = None
         if self._native.launches:
-            self._get_device, self._get_stream = _stream_readers()
+            self._get_device, self._get_stream = stream_readers()
 
     @property
     def launches(self) -> int:

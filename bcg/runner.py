@@ -86,6 +86,7 @@ from bcg.graph import BreakableGraph
 from bcg.live import _UNSET, live_scope
 from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle, pool_bytes
 from bcg.recorder import ACTIVE
+from bcg.replay import stream_readers
 
 log = logging.getLogger("bcg")
 
@@ -107,11 +108,14 @@ class _PoolGuard:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.last_stream: torch.cuda.Stream | None = None
+        self.last_stream: int | None = None  # raw cudaStream_t of the last replay
 
 
 _GUARDS: dict[tuple[int, ...], _PoolGuard] = {}
 _GUARDS_LOCK = threading.Lock()
+
+
+_current_device, _current_raw_stream = stream_readers()
 
 
 def _guard_for(pool: PoolHandle, default: _PoolGuard) -> _PoolGuard:
@@ -843,12 +847,13 @@ class GraphRunner:
                 return self._fallback("padding_waste", inputs, live)
             graph = bucket.graph
             if graph is not None:
-                if torch.cuda.current_device() != self._device.index:
+                device = _current_device()
+                if device != self._device.index:
                     raise ReplayError(
                         f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
-                        f"cuda:{torch.cuda.current_device()}: call it under torch.cuda.device({self._device.index})"
+                        f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
                     )
-                self._serialize_streams()
+                self._serialize_streams(device)
             views = bucket.views
             for s in self._padded:
                 views[s.index].narrow(s.pad_dim, 0, T).copy_(inputs[s.index])
@@ -858,7 +863,7 @@ class GraphRunner:
                 for s in self._padded:
                     views[s.index].narrow(s.pad_dim, T, n - T).zero_()
             if graph is not None:
-                graph.replay(live)
+                graph._replay_unchecked(live)
                 leaves = bucket.leaves
             else:
                 hook = self._plan_hook(n, self._plans.get(n))
@@ -873,12 +878,12 @@ class GraphRunner:
             assert leaves is not None
             return self._slice(bucket, leaves, T)
 
-    def _serialize_streams(self) -> None:
+    def _serialize_streams(self, device: int) -> None:
         """Order this replay after the previous one of any runner sharing the pool, if on another stream."""
-        current = torch.cuda.current_stream(self._device)
+        current = _current_raw_stream(device)
         last = self._guard.last_stream
         if last is not None and last != current:
-            current.wait_stream(last)
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
         self._guard.last_stream = current
 
     def _slice(self, bucket: _Bucket, leaves: list[Any], T: int) -> Any:

@@ -3,9 +3,13 @@
  *
  * A plan is a tuple of steps. Each step is either
  *   - a Python int: a cudaGraphExec_t (== driver CUgraphExec) to launch with
- *     cuGraphLaunch on the stream given to replay(), or
- *   - a Python callable, called with no arguments (breakpoints, and segments
- *     whose replay must go through torch so its RNG bookkeeping runs).
+ *     cuGraphLaunch on the stream given to replay(),
+ *   - a Python callable, called with no arguments (segments whose replay must
+ *     go through torch so its RNG bookkeeping runs), or
+ *   - a call: a tuple (fn, args, kwargs, on_result, always): fn(*args, **kwargs)
+ *     is called straight from C (a breakpoint, no wrapper frame); then
+ *     on_result(result) when on_result is not None and the result is not None
+ *     or `always` is true (bcg refreshes a breakpoint's bridges this way).
  *
  * Plan(steps) converts the tuple to a C array once; Plan.replay(stream, device)
  * walks it. The GIL stays held throughout: callables need it and a launch takes
@@ -258,8 +262,12 @@ check_not_capturing(CUstream stream)
 /* ---- Plan ------------------------------------------------------------------------- */
 
 typedef struct {
-    CUgraphExec exec; /* launched when fn is NULL */
-    PyObject *fn;     /* borrowed from Plan.steps (which the plan owns) */
+    CUgraphExec exec;    /* launched when fn is NULL */
+    PyObject *fn;        /* borrowed from Plan.steps (which the plan owns), like the fields below */
+    PyObject *args;      /* a tuple for a call step; NULL: fn is called with no arguments */
+    PyObject *kwargs;    /* a dict or NULL */
+    PyObject *on_result; /* a callable or NULL */
+    int always;          /* call on_result even with a None result */
 } Entry;
 
 typedef struct {
@@ -312,10 +320,31 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             entries[i].exec = NULL;
             entries[i].fn = step;
         }
+        else if (PyTuple_Check(step) && PyTuple_GET_SIZE(step) == 5) {
+            PyObject *fn = PyTuple_GET_ITEM(step, 0), *fargs = PyTuple_GET_ITEM(step, 1);
+            PyObject *fkw = PyTuple_GET_ITEM(step, 2), *on_result = PyTuple_GET_ITEM(step, 3);
+            int always = PyObject_IsTrue(PyTuple_GET_ITEM(step, 4));
+            if (always < 0)
+                goto fail;
+            if (!PyCallable_Check(fn) || !PyTuple_Check(fargs) || (fkw != Py_None && !PyDict_Check(fkw)) ||
+                (on_result != Py_None && !PyCallable_Check(on_result))) {
+                PyErr_Format(PyExc_TypeError,
+                             "Plan step %zd: a call step is (fn, args tuple, kwargs dict or None, "
+                             "on_result callable or None, always)", i);
+                goto fail;
+            }
+            entries[i].exec = NULL;
+            entries[i].fn = fn;
+            entries[i].args = fargs;
+            entries[i].kwargs = (fkw != Py_None && PyDict_GET_SIZE(fkw) > 0) ? fkw : NULL;
+            entries[i].on_result = on_result != Py_None ? on_result : NULL;
+            entries[i].always = always;
+        }
         else {
             PyErr_Format(PyExc_TypeError,
-                         "Plan step %zd must be an int (a cudaGraphExec_t handle to launch) or a "
-                         "callable taking no arguments, not %.200s",
+                         "Plan step %zd must be an int (a cudaGraphExec_t handle to launch), a "
+                         "callable taking no arguments, or a call tuple (fn, args, kwargs, on_result, "
+                         "always), not %.200s",
                          i, Py_TYPE(step)->tp_name);
             goto fail;
         }
@@ -440,7 +469,12 @@ Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         else {
-            PyObject *res = PyObject_CallNoArgs(e->fn);
+            PyObject *res = e->args == NULL ? PyObject_CallNoArgs(e->fn) : PyObject_Call(e->fn, e->args, e->kwargs);
+            if (res != NULL && e->on_result != NULL && (res != Py_None || e->always)) {
+                PyObject *done = PyObject_CallOneArg(e->on_result, res);
+                Py_DECREF(res);
+                res = done;
+            }
             if (res == NULL) {
                 self->failed = i;
                 break;
@@ -549,9 +583,12 @@ static PySequenceMethods Plan_as_sequence = {
 PyDoc_STRVAR(Plan_doc,
 "Plan(steps)\n--\n\n"
 "A replay plan converted once to a C array. Each step is an int (a\n"
-"``cudaGraphExec_t`` handle, launched with ``cuGraphLaunch``) or a callable\n"
-"taking no arguments. The plan keeps the callables alive; keeping the graphs\n"
-"behind the handles alive is the caller's job.");
+"``cudaGraphExec_t`` handle, launched with ``cuGraphLaunch``), a callable\n"
+"taking no arguments, or a call ``(fn, args, kwargs, on_result, always)``:\n"
+"``fn(*args, **kwargs)``, then ``on_result(result)`` if ``on_result`` is not\n"
+"None and the result is not None or ``always``. The plan keeps the callables\n"
+"and arguments alive; keeping the graphs behind the handles alive is the\n"
+"caller's job.");
 
 static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)

@@ -94,7 +94,8 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 
 def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    expected = ["eager", "floor", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
+    expected = ["eager", "floor", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "floor-compile", "bcg-compile",
+                "piecewise-cuda-graphs", "breakable-cuda-graphs"]
     assert list(modes.MODES) == expected
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
@@ -219,7 +220,7 @@ def test_micro_case_on_cpu() -> None:
     case = micro.make_case(micro.setup(args, dev), args, dev, None, None)
     sync = lambda: None  # noqa: E731
     ref = cli._reference(case, sync)
-    rows = [cli._measure(case, m, ref, modes.BuildContext(), 2, 0, sync) for m in ("eager", "bcg-eager")]
+    rows = [cli._measure(case, m, lambda: ref, modes.BuildContext(), 2, 0, sync) for m in ("eager", "bcg-eager")]
     cli._finish_case(case, rows)
     for row in rows:
         assert row["rel_err"] == 0.0 and row["K"] == 5

@@ -52,8 +52,18 @@ def test_extension_is_built_and_importable() -> None:
 
 @pytest.mark.parametrize("bad", ["segment", 1.5, None, True, b"\x00", object()])
 def test_plan_rejects_invalid_step_types(_native, bad) -> None:  # noqa: ANN001
-    with pytest.raises(TypeError, match=r"Plan step 1 must be an int .* or a callable"):
+    with pytest.raises(TypeError, match=r"Plan step 1 must be an int .* a callable .* or a call tuple"):
         _native.Plan((lambda: None, bad))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [("f", (), None, None, False), (print, [1], None, None, False), (print, (), [], None, False),
+     (print, (), None, "x", False)],
+)
+def test_plan_rejects_malformed_call_steps(_native, bad) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError, match=r"Plan step 0: a call step is"):
+        _native.Plan((bad,))
 
 
 def test_plan_rejects_a_non_iterable(_native) -> None:  # noqa: ANN001
@@ -89,6 +99,38 @@ def test_replay_calls_callables_in_order(_native) -> None:  # noqa: ANN001
     assert plan.failed_step == -1
     plan.replay(0, 3)  # an optional device ordinal is accepted
     _native.Plan(()).replay(0)
+
+
+def test_call_steps_pass_arguments_and_hand_results_on(_native) -> None:  # noqa: ANN001
+    seen: list[object] = []
+
+    def fn(a: int, b: int, *, c: int = 0) -> object:
+        seen.append(("fn", a, b, c))
+        return None if a == 0 else a + b + c
+
+    plan = _native.Plan([
+        (fn, (1, 2), {"c": 3}, seen.append, False),  # a result: handed on
+        (fn, (0, 2), None, seen.append, False),  # None and not always: not handed on
+        (fn, (0, 5), {}, seen.append, True),  # None but always: handed on
+        (fn, (4, 5), None, None, True),  # no on_result: ignored
+    ])
+    for _ in range(2):
+        seen.clear()
+        plan.replay(0)
+        assert seen == [("fn", 1, 2, 3), 6, ("fn", 0, 2, 0), ("fn", 0, 5, 0), None, ("fn", 4, 5, 0)]
+    assert plan.launches == 0
+
+
+def test_an_on_result_exception_stops_the_replay_at_its_step(_native) -> None:  # noqa: ANN001
+    after: list[int] = []
+
+    def refuse(result: object) -> None:
+        raise LookupError(f"refused {result}")
+
+    plan = _native.Plan([(int, ("7",), None, refuse, False), lambda: after.append(1)])
+    with pytest.raises(LookupError, match="refused 7"):
+        plan.replay(0)
+    assert plan.failed_step == 0 and after == []
 
 
 def test_replay_ignores_what_callables_return(_native) -> None:  # noqa: ANN001
@@ -441,7 +483,7 @@ class FakeGraph:
     def replay(self):
         self.log.append(("torch replay", self.handle, fake.fake_count()))
 
-replay_mod._stream_readers = lambda: ((lambda: 0), (lambda device: 0x55))
+replay_mod.stream_readers = lambda: ((lambda: 0), (lambda device: 0x55))
 log = []
 plan = [
     SegmentStep(index=0, cuda_graph=FakeGraph(0x100, log), nodes=1, kernel_nodes=1),

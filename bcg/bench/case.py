@@ -45,9 +45,19 @@ class Case:
     use_runner: bool = True
     # the live metadata for another token count (a runner runs the forward at other sizes)
     live_for: Callable[[int], Any] | None = None
+    # builds this forward's live metadata anew (what an engine does per batch); timed
+    # runs call it so that its cost counts (None: ``live`` is reused)
+    new_live: Callable[[], Any] | None = None
+    # the same forward with the token-shaped regions compiled by torch.compile (None: no
+    # compiled variant here; the compile modes skip this case)
+    make_compiled_forward: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)
+
+    def fresh_live(self) -> Any:
+        """This forward's live metadata: built anew when the workload says how, else ``live``."""
+        return self.new_live() if self.new_live is not None else self.live
 
     @property
     def label(self) -> str:

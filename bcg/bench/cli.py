@@ -15,7 +15,7 @@ import gc
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 import bcg
 from bcg.bench import report
 from bcg.bench.case import Case
-from bcg.bench.modes import MODES, BuildContext, skip_reason
+from bcg.bench.modes import MODES, BuildContext, NotApplicable, forward_of, skip_reason
 from bcg.bench.timing import rel_err, sample_ms, summarize, sync_fn, timed_ms
 from bcg.bench.workloads import WORKLOADS
 
@@ -106,9 +106,10 @@ def _cleanup(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _reference(case: Case, sync: Any) -> torch.Tensor:
-    """Eager output on the fresh inputs (after one eager warm-up run)."""
-    fn = case.forward(case.bp)
+def _reference(case: Case, sync: Any, compiled: bool = False) -> torch.Tensor:
+    """Eager output on the fresh inputs (after one eager warm-up run); ``compiled``: of the
+    torch.compile'd forward (what the compile modes must reproduce)."""
+    fn = forward_of(case, case.bp, compiled)
     with bcg.live_scope(case.live):
         fn(*case.static_args)
         case.write_inputs(True)
@@ -118,11 +119,15 @@ def _reference(case: Case, sync: Any) -> torch.Tensor:
     return ref
 
 
-def _measure(case: Case, mode: str, ref: torch.Tensor, ctx: BuildContext, iters: int, warmup: int, sync: Any) -> dict[str, Any]:
+def _measure(case: Case, mode: str, reference: Callable[[], torch.Tensor], ctx: BuildContext, iters: int, warmup: int,
+             sync: Any) -> dict[str, Any]:
+    """Build ``mode``, time it, and compare its output on fresh inputs with ``reference()``
+    (called after the build and the timing, so that a compile happens in the build)."""
     built = MODES[mode].build(case, ctx)
     try:
         first = timed_ms(built.run, sync)
         samples = sample_ms(built.run, sync, iters=iters, warmup=warmup)
+        ref = reference()
         case.write_inputs(True)
         out = built.run()
         sync()
@@ -156,10 +161,14 @@ def _measure(case: Case, mode: str, ref: torch.Tensor, ctx: BuildContext, iters:
 
 def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
     floor = next((r for r in rows if r["mode"] == "floor"), None)
+    floor_compile = next((r for r in rows if r["mode"] == "floor-compile"), None)
     for row in rows:
+        row["ratio_to_floor_compile"] = None
         if floor is not None and floor["ms_median"] > 0:
             row["ratio_to_floor"] = row["ms_median"] / floor["ms_median"]
             row["extra_us_per_break"] = (row["ms_median"] - floor["ms_median"]) * 1e3 / max(case.num_breaks, 1)
+        if floor_compile is not None and floor_compile["ms_median"] > 0:
+            row["ratio_to_floor_compile"] = row["ms_median"] / floor_compile["ms_median"]
         if case.finish_row is not None:
             case.finish_row(row)
 
@@ -252,12 +261,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             for attn, T in module.points(args):
                 case = module.make_case(state, args, device, attn, T)
                 bar.set_description(f"{case.label}: eager reference", refresh=tty)
-                ref = _reference(case, sync)
+                refs: dict[bool, torch.Tensor] = {False: _reference(case, sync)}
+
+                def reference(compiled: bool) -> torch.Tensor:
+                    if compiled not in refs:
+                        refs[compiled] = _reference(case, sync, compiled)
+                    return refs[compiled]
+
                 case_rows: list[dict[str, Any]] = []
                 for mode in modes:
                     bar.set_description(f"{case.label}: {mode}", refresh=tty)
                     try:
-                        case_rows.append(_measure(case, mode, ref, ctx, case.iters or iters, args.warmup, sync))
+                        compiled = MODES[mode].compiled
+                        case_rows.append(_measure(case, mode, lambda c=compiled: reference(c), ctx,
+                                                  case.iters or iters, args.warmup, sync))
+                    except NotApplicable as exc:
+                        skipped.append({"workload": case.workload, "T": case.T, "mode": mode, "reason": str(exc)})
                     except Exception as exc:  # keep going: one failing mode must not lose the run
                         errors.append({"workload": case.workload, "attn": case.attn, "T": case.T, "mode": mode,
                                        "error": f"{type(exc).__name__}: {exc}"})
@@ -270,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summary = ", ".join(f"{r['mode']} {r['ms_median']:.3f}" for r in case_rows)
                 bar.write(f"bcg-bench: {case.label}: median ms: {summary}")
                 save()
-                del case, ref
+                del case, refs
                 _cleanup(cuda)
             if hasattr(module, "extra"):
                 bar.set_description(f"{name}: extra measures", refresh=tty)
@@ -292,6 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\nrunner ladder ({len(ladder['buckets'])} buckets up to {ladder['buckets'][-1]}): capture "
             f"{ladder['capture_s_total']:.2f} s; pool {ladder['pool_mib_total']:.1f} MiB all buckets vs "
             f"{ladder['pool_mib_largest_alone']:.1f} MiB largest alone (ratio {ladder['pool_ratio']:.3f})"
+        )
+    ladder = extras.get("runner_compile")
+    if ladder:
+        print(
+            f"compiled runner ladder: compile {ladder['compile_s']:.2f} s ({ladder['graphs_compiled']} graphs), "
+            f"capture {ladder['capture_s_total']:.2f} s ({ladder['graphs_compiled_during_capture']} graphs "
+            f"compiled during it), total {ladder['compile_plus_capture_s']:.2f} s"
         )
     print(f"\ntiming: {TIMING_NOTE}")
     if not cuda:

@@ -46,6 +46,8 @@ class ModeSpec:
     help: str
     # returns None when the mode can run here, else why it is skipped
     available: Callable[[], str | None]
+    # runs the torch.compile'd forward: rel_err is measured against it run eagerly
+    compiled: bool = False
 
 
 MODES: dict[str, ModeSpec] = {}
@@ -57,13 +59,14 @@ def register_mode(
     needs_cuda: bool = True,
     help: str = "",  # noqa: A002
     available: Callable[[], str | None] | None = None,
+    compiled: bool = False,
 ) -> Callable[[Callable[[Case, BuildContext], Built]], Callable[[Case, BuildContext], Built]]:
     """Register ``build`` as mode ``name`` (order of registration = order of runs)."""
 
     def deco(build: Callable[[Case, BuildContext], Built]) -> Callable[[Case, BuildContext], Built]:
         if name in MODES:
             raise ValueError(f"bench mode {name!r} is registered twice")
-        MODES[name] = ModeSpec(name, build, needs_cuda, help, available or (lambda: None))
+        MODES[name] = ModeSpec(name, build, needs_cuda, help, available or (lambda: None), compiled)
         return build
 
     return deco
@@ -106,6 +109,32 @@ def _native_reason() -> str | None:
     return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
 
 
+class NotApplicable(Exception):
+    """A mode that does not apply to this case (e.g. no compiled variant): the row is skipped."""
+
+
+def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[..., torch.Tensor]:
+    """The case's forward around ``bp``: eager regions, or the torch.compile'd ones."""
+    if not compiled:
+        return case.forward(bp)
+    if case.make_compiled_forward is None:
+        raise NotApplicable(f"{case.workload} has no torch.compile'd variant here")
+    return case.make_compiled_forward(bp)
+
+
+def _warm_compiled(fn: Callable[..., Any], case: Case, info: dict[str, Any]) -> None:
+    """Run ``fn`` once eagerly so that compiling happens here; record the seconds and graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = int(counters["stats"]["unique_graphs"])
+    t0 = time.perf_counter()
+    with bcg.live_scope(case.live), torch.no_grad():
+        fn(*case.static_args)
+    torch.cuda.synchronize()
+    info["compile_s"] = time.perf_counter() - t0
+    info["graphs_compiled"] = int(counters["stats"]["unique_graphs"]) - graphs0
+
+
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
     """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
     graph = bcg.make_graph(case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup)
@@ -113,9 +142,9 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
         graph.use_executor(executor)
     torch.cuda.synchronize()
     stats = graph.stats()
-    live, replay = case.live, graph.replay
+    fresh_live, replay = case.fresh_live, graph.replay
     return Built(
-        run=lambda: replay(live=live),
+        run=lambda: replay(live=fresh_live()),
         capture_s=stats.capture_s,
         pool_bytes=stats.pool_bytes,
         info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
@@ -123,16 +152,19 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
     )
 
 
-def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None) -> Built:
+def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
     """The library as a serving engine uses it: a GraphRunner with one bucket of size T."""
-    if not case.use_runner:
+    if not case.use_runner and not compiled:
         return _bcg_graph(case, ctx, executor)
-    live = case.live
+    fn = forward_of(case, case.bp, compiled)
+    info: dict[str, Any] = {}
+    if compiled:
+        _warm_compiled(fn, case, info)
     runner = bcg.GraphRunner(
-        case.forward(case.bp),
+        fn,
         buckets=[case.T] if case.T is not None else [case.static_args[0].shape[0]],
         example_inputs=case.static_args,
-        capture_live=case.live_for if case.live_for is not None else live,
+        capture_live=case.live_for if case.live_for is not None else case.live,
         progress=False,
     )
     t0 = time.perf_counter()
@@ -145,34 +177,22 @@ def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None) -> Built:
         graph.use_executor(executor)
     torch.cuda.synchronize()
     stats = graph.stats()
-    args = case.static_args
+    args, fresh_live = case.static_args, case.fresh_live
     return Built(
-        run=lambda: runner(*args, live=live),
+        run=lambda: runner(*args, live=fresh_live()),
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
-        info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
+        info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=runner.reset,
     )
 
 
-# -- the modes ------------------------------------------------------------------------------
-
-
-@register_mode("eager", needs_cuda=False, help="plain eager run; breakpoints are plain calls (bcg.live_scope)")
-def build_eager(case: Case, ctx: BuildContext) -> Built:
-    fn = case.forward(case.bp)
-    args, live = case.static_args, case.live
-
-    def run() -> torch.Tensor:
-        with bcg.live_scope(live):
-            return fn(*args)
-
-    return Built(run=run)
-
-
-@register_mode("floor", help="the same kernels in ONE torch.cuda.CUDAGraph, live values frozen at capture")
-def build_floor(case: Case, ctx: BuildContext) -> Built:
-    fn = case.forward(case.bp_frozen)
+def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
+    """The forward with live values frozen, captured as ONE ``torch.cuda.CUDAGraph``."""
+    fn = forward_of(case, case.bp_frozen, compiled)
+    info: dict[str, Any] = {"segments": 1, "breakpoints": 0}
+    if compiled:
+        _warm_compiled(fn, case, info)
     args = case.static_args
     stream = capture_stream_warmup(fn, args, ctx.capture_warmup, case.live)
     pool = torch.cuda.graph_pool_handle()
@@ -199,9 +219,35 @@ def build_floor(case: Case, ctx: BuildContext) -> Built:
         run=run,
         capture_s=capture_s,
         pool_bytes=pool_bytes(pool, torch.cuda.current_device()),
-        info={"segments": 1, "breakpoints": 0},
+        info=info,
         close=close,
     )
+
+
+def _compile_reason() -> str | None:
+    from torch.utils._triton import has_triton
+
+    return None if has_triton() else "torch.compile modes need Triton (Inductor's GPU backend)"
+
+
+# -- the modes ------------------------------------------------------------------------------
+
+
+@register_mode("eager", needs_cuda=False, help="plain eager run; breakpoints are plain calls (bcg.live_scope)")
+def build_eager(case: Case, ctx: BuildContext) -> Built:
+    fn = case.forward(case.bp)
+    args, fresh_live = case.static_args, case.fresh_live
+
+    def run() -> torch.Tensor:
+        with bcg.live_scope(fresh_live()):
+            return fn(*args)
+
+    return Built(run=run)
+
+
+@register_mode("floor", help="the same kernels in ONE torch.cuda.CUDAGraph, live values frozen at capture")
+def build_floor(case: Case, ctx: BuildContext) -> Built:
+    return _floor(case, ctx, compiled=False)
 
 
 @register_mode("bcg", help="bcg.GraphRunner (one bucket = T), default executor")
@@ -227,15 +273,34 @@ def build_bcg_python(case: Case, ctx: BuildContext) -> Built:
 def build_bcg_eager(case: Case, ctx: BuildContext) -> Built:
     graph = bcg.make_graph(case.forward(case.bp), *case.static_args, mode="eager", live=case.live)
     stats = graph.stats()
-    live = case.live
-    replay = graph.replay
+    fresh_live, replay = case.fresh_live, graph.replay
     return Built(
-        run=lambda: replay(live=live),
+        run=lambda: replay(live=fresh_live()),
         capture_s=stats.capture_s,
         pool_bytes=None,
         info={"segments": stats.segments, "breakpoints": stats.breakpoints},
         close=graph.reset,
     )
+
+
+@register_mode(
+    "floor-compile",
+    help="floor over the torch.compile'd regions (Inductor kernels, lengths frozen, ONE graph)",
+    available=_compile_reason,
+    compiled=True,
+)
+def build_floor_compile(case: Case, ctx: BuildContext) -> Built:
+    return _floor(case, ctx, compiled=True)
+
+
+@register_mode(
+    "bcg-compile",
+    help="bcg.GraphRunner (one bucket = T) over the torch.compile'd regions; row has compile_s",
+    available=_compile_reason,
+    compiled=True,
+)
+def build_bcg_compile(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_runner(case, ctx, None, compiled=True)
 
 
 # The peers register themselves as modes too (after ours, so they run last).

@@ -68,8 +68,10 @@ def _build_sequence(
     steps = list(getattr(seq, "_segments", ()))  # private, read only for the counts
     segments = sum(1 for s in steps if isinstance(s, torch.cuda.CUDAGraph))
 
+    fresh_live = case.fresh_live
+
     def run() -> torch.Tensor:
-        with bcg.live_scope(live):
+        with bcg.live_scope(fresh_live()):
             held["seq"].replay()
         return held["out"]
 

@@ -16,7 +16,7 @@ import torch
 # Keys every row carries (None where a value does not apply), in table order.
 ROW_KEYS = (
     "workload", "attn", "mode", "T", "ms_median", "ms_min", "first_replay_ms", "ratio_to_floor",
-    "capture_s", "pool_mib", "extra_us_per_break", "rel_err",
+    "capture_s", "pool_mib", "extra_us_per_break", "rel_err", "ratio_to_floor_compile",
 )
 MICRO_KEYS = ("us_per_replay", "us_per_segment", "bp_eager_us", "us_per_segment_overhead")
 
@@ -68,7 +68,8 @@ _LLAMA_COLS = (
     ("attn", "attn", "s", 6), ("T", "T", "d", 5), ("mode", "mode", "s", 21), ("median ms", "ms_median", ".3f", 10),
     ("min ms", "ms_min", ".3f", 9), ("1st ms", "first_replay_ms", ".2f", 9), ("/floor", "ratio_to_floor", ".3f", 7),
     ("us/brk", "extra_us_per_break", ".1f", 8), ("capt s", "capture_s", ".2f", 7), ("pool MiB", "pool_mib", ".1f", 9),
-    ("rel_err", "rel_err", ".2g", 8),
+    ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
+    ("compile s", "compile_s", ".2f", 9),
 )
 _MICRO_COLS = (
     ("mode", "mode", "s", 21), ("K", "K", "d", 4), ("us/replay", "us_per_replay", ".1f", 10),

@@ -157,9 +157,20 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Batch:
-    """The live metadata of one replay: the request lengths (host ints)."""
+    """The live metadata of one forward: request lengths (host ints) and, on a GPU,
+    ``cu_seqlens`` on the device, built once per forward as serving engines do."""
 
     lengths: tuple[int, ...]
+    cu: torch.Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+    @staticmethod
+    def build(lengths: tuple[int, ...], device: torch.device) -> Batch:
+        """The metadata of a batch: one pinned host buffer and one non-blocking copy on a GPU."""
+        return Batch(lengths, cu_seqlens(lengths, device) if device.type == "cuda" else None)
 
 
 @dataclass
@@ -170,6 +181,75 @@ class Layer:
     ffn_norm: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
+
+
+class Regions:
+    """The token-shaped work between attentions, as three functions of tensors.
+
+    ``first`` runs up to layer 0's attention, ``middle`` from layer i's
+    attention output to layer i+1's, ``last`` to the final norm. Shape
+    constants are closed over; weights are arguments, so one compiled graph
+    serves every layer. :meth:`compiled` wraps them in ``torch.compile``
+    (Inductor, default mode) with the token dimension marked dynamic, so every
+    token count shares one compile.
+    """
+
+    def __init__(self, H: int, KV: int, D: int, hidden: int) -> None:
+        self.H, self.KV, self.D, self.hidden = H, KV, D, hidden
+        self.is_compiled = False
+
+        def qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor) -> Any:
+            T = x.shape[0]
+            y = F.rms_norm(x, (hidden,), norm, NORM_EPS)
+            q, k, v = F.linear(y, wqkv).split([H * D, KV * D, KV * D], dim=-1)
+            q = _rope(q.view(T, H, D), cos, sin)
+            k = _rope(k.view(T, KV, D), cos, sin)
+            return q, k, v.view(T, KV, D), torch.empty_like(q)  # attention writes the last in place
+
+        def mlp(x: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+            x = x + F.linear(o.view(x.shape[0], H * D), wo)
+            y = F.rms_norm(x, (hidden,), norm, NORM_EPS)
+            gate, up = F.linear(y, w_gate_up).chunk(2, dim=-1)
+            return x + F.linear(F.silu(gate) * up, w_down)
+
+        def first(x: torch.Tensor, pos: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                  norm: torch.Tensor, wqkv: torch.Tensor) -> Any:
+            cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
+            return (cos, sin, *qkv(x, cos, sin, norm, wqkv))
+
+        def middle(x: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo: torch.Tensor,
+                   ffn_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, attn_norm: torch.Tensor,
+                   wqkv: torch.Tensor) -> Any:
+            x = mlp(x, o, wo, ffn_norm, w_gate_up, w_down)
+            return (x, *qkv(x, cos, sin, attn_norm, wqkv))
+
+        def last(x: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, ffn_norm: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+            return F.rms_norm(mlp(x, o, wo, ffn_norm, w_gate_up, w_down), (hidden,), norm, NORM_EPS)
+
+        self.first, self.middle, self.last = first, middle, last
+
+    def compiled(self, **compile_kwargs: Any) -> Regions:
+        """The same regions through ``torch.compile`` (token dimension dynamic: one compile for all T)."""
+        out = Regions(self.H, self.KV, self.D, self.hidden)
+        out.is_compiled = True
+        out.first = _tokens_dynamic(torch.compile(self.first, **compile_kwargs), (0, 1))
+        out.middle = _tokens_dynamic(torch.compile(self.middle, **compile_kwargs), (0, 1, 2, 3))
+        out.last = _tokens_dynamic(torch.compile(self.last, **compile_kwargs), (0, 1))
+        return out
+
+
+def _tokens_dynamic(fn: Any, token_args: tuple[int, ...]) -> Any:
+    """Call ``fn`` with dim 0 of the given arguments marked dynamic (no recompile per token count)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def call(*args: Any) -> Any:
+        for i in token_args:
+            mark(args[i], 0)
+        return fn(*args)
+
+    return call
 
 
 class LlamaModel:
@@ -206,29 +286,34 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.regions = Regions(H, KV, D, h)
+        self._compiled: Regions | None = None
 
     @property
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in vars(layer).values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any) -> torch.Tensor:
-        T = x.shape[0]
-        H, KV, D, h = self.H, self.KV, self.D, self.hidden
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-        for layer in self.layers:
-            y = F.rms_norm(x, (h,), layer.attn_norm, NORM_EPS)
-            q, k, v = F.linear(y, layer.wqkv).split([H * D, KV * D, KV * D], dim=-1)
-            q = _rope(q.view(T, H, D), cos, sin)
-            k = _rope(k.view(T, KV, D), cos, sin)
-            v = v.view(T, KV, D)
-            o = torch.empty_like(q)  # preallocated: attention writes into it in place
+    def compiled_regions(self, fresh: bool = False) -> Regions:
+        """The regions compiled by Inductor (made once; ``fresh``: a new compile from scratch)."""
+        if fresh or self._compiled is None:
+            if fresh:
+                torch._dynamo.reset()
+            self._compiled = self.regions.compiled()
+        return self._compiled
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
+        r = regions or self.regions
+        layers = self.layers
+        L0 = layers[0]
+        cos, sin, q, k, v, o = r.first(x, pos, self.cos, self.sin, L0.attn_norm, L0.wqkv)
+        for layer, nxt in zip(layers, layers[1:]):
             attn(q, k, v, o)
-            x = x + F.linear(o.view(T, H * D), layer.wo)
-            y = F.rms_norm(x, (h,), layer.ffn_norm, NORM_EPS)
-            gate, up = F.linear(y, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
-        return F.rms_norm(x, (h,), self.norm, NORM_EPS)
+            x, q, k, v, o = r.middle(x, o, cos, sin, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down,
+                                     nxt.attn_norm, nxt.wqkv)
+        attn(q, k, v, o)
+        L = layers[-1]
+        return r.last(x, o, L.wo, L.ffn_norm, L.w_gate_up, L.w_down, self.norm)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -296,11 +381,11 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
 
 @bcg.breakpoint(name="attention_varlen", mutates=("out",))
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    lengths = bcg.live().lengths
-    if not varlen_usable(q.device):
-        sdpa_per_request(q, k, v, out, lengths)
+    batch = bcg.live()
+    if batch.cu is None or not varlen_usable(q.device):
+        sdpa_per_request(q, k, v, out, batch.lengths)
         return
-    varlen(q, k, v, out, cu_seqlens(lengths, q.device), max(lengths))
+    varlen(q, k, v, out, batch.cu, batch.max_len)
 
 
 @bcg.breakpoint(name="attention_loop", mutates=("out",))
@@ -342,6 +427,10 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     def make_forward(bp: Any) -> Any:
         return lambda x, pos: model.forward(x, pos, bp)
 
+    def make_compiled_forward(bp: Any) -> Any:
+        regions = model.compiled_regions()
+        return lambda x, pos: model.forward(x, pos, bp, regions)
+
     bp = BREAKPOINTS[attn]
     return Case(
         workload=NAME,
@@ -349,65 +438,119 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         T=T,
         device=device,
         static_args=(x, pos),
-        live=Batch(lengths),
+        live=Batch.build(lengths, device),
+        new_live=lambda: Batch.build(lengths, device),
         make_forward=make_forward,
+        make_compiled_forward=make_compiled_forward if compile_usable(device) is None else None,
         bp=bp,
         bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
         bp_frozen=frozen_attention(attn, lengths, device),
         num_breaks=model.shape["layers"],
         write_inputs=write_inputs,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
-        live_for=lambda n: Batch(tuple(request_lengths(n, min(args.requests, n), args.seed))),
+        live_for=lambda n: Batch.build(tuple(request_lengths(n, min(args.requests, n), args.seed)), device),
     )
+
+
+def compile_usable(device: torch.device) -> str | None:
+    """Why the compiled regions cannot run here (None: they can): Inductor needs Triton on a GPU."""
+    if device.type != "cuda":
+        return "torch.compile modes need a GPU here (Inductor's CPU backend compiles C++ for minutes)"
+    from torch.utils._triton import has_triton
+
+    return None if has_triton() else "Triton is not installed"
 
 
 # -- the bucket ladder: what a serving engine captures ---------------------------------------
 
 
 def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """``{"runner": ...}``: capture a GraphRunner over the default 16-bucket ladder up to
-    ``--ladder-max`` tokens (varlen attention, one pool, largest first), then the largest
-    bucket alone in a fresh pool; report capture seconds and both pool sizes."""
+    """``{"runner": ..., "runner_compile": ...}``: capture a GraphRunner over the default
+    16-bucket ladder up to ``--ladder-max`` tokens (varlen attention, one pool, largest
+    first) and report capture seconds and pool sizes; then the same over Inductor-compiled
+    regions from a fresh compile (when mode ``bcg-compile`` is requested and usable),
+    reporting compile and capture seconds apart."""
     if device.type != "cuda" or args.ladder_max <= 0:
         return {}
+    out = {"runner": _ladder(model, args, device, None)}
+    if (args.modes is None or "bcg-compile" in args.modes) and compile_usable(device) is None:
+        with _cold_compile_caches():
+            out["runner_compile"] = _ladder(model, args, device, model.compiled_regions(fresh=True))
+        out["runner_compile"]["caches"] = "cold: Dynamo reset, fresh Inductor and Triton cache directories"
+    return out
+
+
+def _cold_compile_caches() -> Any:
+    """A context in which torch.compile starts from empty on-disk caches (Inductor's ``fresh_cache``)."""
+    import torch._inductor.utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or getattr(inductor_utils, "fresh_inductor_cache")
+    return fresh()
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _ladder(model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None) -> dict[str, Any]:
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
-    runner = bcg.GraphRunner(
-        lambda x, pos: model.forward(x, pos, attention_varlen),
-        buckets=buckets,
-        example_inputs=(x, pos),
-        capture_live=lambda bucket: Batch(tuple(request_lengths(bucket, args.requests, args.seed))),
-        progress=False,
-    )
+
+    def live_for(n: int) -> Batch:
+        return Batch.build(tuple(request_lengths(n, min(args.requests, n), args.seed)), device)
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.forward(x, pos, attention_varlen, regions)
+
+    section: dict[str, Any] = {"buckets": buckets}
+    if regions is not None:
+        # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
+        graphs0 = _dynamo_graphs()
+        t0 = time.perf_counter()
+        with bcg.live_scope(live_for(buckets[-1])), torch.no_grad():
+            forward(x, pos)
+        torch.cuda.synchronize()
+        section["compile_s"] = time.perf_counter() - t0
+        section["graphs_compiled"] = _dynamo_graphs() - graphs0
+    runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=live_for, progress=False)
+    graphs0 = _dynamo_graphs() if regions is not None else 0
     t0 = time.perf_counter()
     runner.capture()
     total = time.perf_counter() - t0
-    stats = runner.stats()
-    runner.measure_largest_alone()
+    if regions is None:
+        runner.measure_largest_alone()
+    else:
+        section["graphs_compiled_during_capture"] = _dynamo_graphs() - graphs0
     stats = runner.stats()
     # one call per bucket, checked against the eager forward on the same (padded) inputs
     worst = 0.0
     for b in buckets[:: max(1, len(buckets) // 4)]:
         T = max(1, b - 1)
-        lengths = tuple(request_lengths(T, min(args.requests, T), args.seed))
-        xb, pb = torch.randn(T, model.hidden, device=device, dtype=model.dtype), torch.cat([torch.arange(n, device=device) for n in lengths])
-        y = runner(xb, pb, live=Batch(lengths))
-        with bcg.live_scope(Batch(lengths)):
-            ref = model.forward(xb, pb, attention_varlen)
+        live = live_for(T)
+        xb = torch.randn(T, model.hidden, device=device, dtype=model.dtype)
+        pb = torch.cat([torch.arange(n, device=device) for n in live.lengths])
+        y = runner(xb, pb, live=live)
+        with bcg.live_scope(live), torch.no_grad():
+            ref = forward(xb, pb)
         worst = max(worst, float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)))
     runner.reset()
-    return {
-        "runner": {
-            "buckets": buckets,
-            "capture_s": {str(b): s for b, s in stats["capture_s"].items()},
-            "capture_s_total": total,
-            "pool_mib_total": stats["pool_bytes"] / 2**20,
-            "pool_mib_largest_alone": stats["largest_alone_pool_bytes"] / 2**20,
-            "pool_ratio": stats["pool_ratio"],
-            "failed_buckets": stats["failed_buckets"],
-            "rel_err_vs_unpadded_eager": worst,
-            "note": "capture_s includes each bucket's eager warm-up; rel_err compares runner(T=bucket-1) "
-            "with the unpadded eager forward (GEMM kernels may differ with M, so not necessarily 0)",
-        }
-    }
+    section.update(
+        capture_s={str(b): s for b, s in stats["capture_s"].items()},
+        capture_s_total=total,
+        pool_mib_total=stats["pool_bytes"] / 2**20,
+        failed_buckets=stats["failed_buckets"],
+        rel_err_vs_unpadded_eager=worst,
+        note="capture_s includes each bucket's eager warm-up; rel_err compares runner(T=bucket-1) "
+        "with the unpadded eager forward (GEMM kernels may differ with M, so not necessarily 0)",
+    )
+    if regions is None:
+        section.update(
+            pool_mib_largest_alone=stats["largest_alone_pool_bytes"] / 2**20,
+            pool_ratio=stats["pool_ratio"],
+        )
+    else:
+        section["compile_plus_capture_s"] = section["compile_s"] + total
+    return section

@@ -1,0 +1,88 @@
+"""``torch.compile``'d code inside a bcg capture.
+
+Inductor's kernels (Triton and library calls) are ordinary CUDA work on the
+current stream, so a capture records them in the current segment like any other
+kernel; a breakpoint inside compiled code is a Dynamo graph break (see
+:mod:`bcg.breakpoint`). Two things need care, and this module handles them for
+the duration of one capture:
+
+* Inductor's own CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``,
+  i.e. cudagraph trees) are **switched off** while a bcg capture runs: compiled
+  regions then launch their kernels directly and bcg records them (bcg makes the
+  graphs). Outside the capture they behave as compiled. This uses Inductor's
+  ``triton.cudagraph_capture_sizes`` setting (an empty tuple: no size is
+  graphed), patched process-wide for the capture. With
+  ``torch._inductor.config.triton.cudagraph_trees = False`` Inductor's older
+  graph wrapper does not read that setting: compile without CUDA graphs then.
+* Compiling (or autotuning) inside a capture is not supported: run the compiled
+  code eagerly on every shape you capture first (``bcg.make_graph`` and
+  ``bcg.GraphRunner`` do this). A capture during which Dynamo compiled says so:
+  a warning when it succeeded, a note on the error when it failed.
+
+Nothing here imports Inductor: when it is not loaded there is nothing to switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger("bcg")
+
+CAPTURE_SIZES = "triton.cudagraph_capture_sizes"
+
+
+def _dynamo_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (0 when Dynamo is not loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileWatch:
+    """One capture's view of torch.compile: Inductor's CUDA graphs off, compiles counted.
+
+    Use as a context manager around the capture. ``compiled`` is how many
+    Dynamo graphs were compiled since it was entered.
+    """
+
+    def __init__(self) -> None:
+        self._patch: Any = None
+        self._start = 0
+
+    def __enter__(self) -> CompileWatch:
+        self._start = _dynamo_graphs()
+        config = sys.modules.get("torch._inductor.config")
+        if config is not None and hasattr(config.triton, "cudagraph_capture_sizes"):
+            if config.triton.cudagraph_capture_sizes != ():
+                self._patch = config.patch({CAPTURE_SIZES: ()})
+                self._patch.__enter__()
+                log.debug("bcg: Inductor's own CUDA graphs are off for this capture")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._patch is not None:
+            self._patch.__exit__(exc_type, exc, tb)
+            self._patch = None
+
+    @property
+    def compiled(self) -> int:
+        return _dynamo_graphs() - self._start
+
+    def message(self) -> str | None:
+        """What to tell the user when Dynamo compiled during the capture (None: it did not)."""
+        n = self.compiled
+        if n <= 0:
+            return None
+        return (
+            f"bcg: torch.compile compiled {n} graph(s) during this capture. Compiling and autotuning "
+            "may synchronize the device, which a capture forbids, and cost seconds inside it: run the "
+            "compiled code eagerly once on every shape you capture before capturing (bcg.make_graph "
+            "and bcg.GraphRunner warm up for you)"
+        )
