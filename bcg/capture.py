@@ -10,6 +10,7 @@ follows runs on real data and the capture itself computes a correct forward.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 import traceback
@@ -288,6 +289,13 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._active_token = ACTIVE.set(self._session)
         self._live_token = set_live(self._live) if self._live is not _UNSET else None
         self._compile_watch = CompileWatch().__enter__()
+        # Python's cycle collector must not run inside the capture: collecting garbage that
+        # holds a CUDA graph (an abandoned capture's segments kept alive by a traceback, a
+        # dropped model's graphs) destroys it, which CUDA forbids while a stream captures,
+        # and the capture is invalidated at a point nobody can see. It is paused until the
+        # capture ends; garbage made meanwhile is collected after.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         self._t0 = time.perf_counter()
         try:
             self._session.open_segment()
@@ -359,6 +367,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         return Poison(session.pool, session.device, list(held.values()))
 
     def _restore(self) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
         self._compile_watch.__exit__(None, None, None)
         if self._live_token is not None:
             reset_live(self._live_token)

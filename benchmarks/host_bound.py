@@ -15,29 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 
 import bcg
 from bcg.bench import cli, modes
+from bcg.bench.timing import sample_ms
 from bcg.bench.workloads import llama
 
 
-def _median_us(fn: Callable[[], Any], sync_after: bool, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if sync_after:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
+def _median_us(fn: Callable[[], Any], wait: bool, iters: int = 30) -> float:
+    return statistics.median(sample_ms(fn, torch.cuda.synchronize, iters, warmup=3, wait=wait)) * 1e3
 
 
 def main() -> None:
@@ -62,8 +51,8 @@ def main() -> None:
             for _ in range(layers):
                 llama.attention_varlen(q, k, v, o)
 
-    out["bp_host_us"] = _median_us(breakpoints, sync_after=False) / layers
-    out["bp_wall_us"] = _median_us(breakpoints, sync_after=True) / layers
+    out["bp_host_us"] = _median_us(breakpoints, wait=False) / layers
+    out["bp_wall_us"] = _median_us(breakpoints, wait=True) / layers
     print(f"one attention breakpoint: host {out['bp_host_us']:.1f} us, alone on the GPU {out['bp_wall_us']:.1f} us",
           flush=True)
     for mode in ns.modes.split(","):
@@ -73,8 +62,8 @@ def main() -> None:
             print(f"{mode}: skipped ({exc})")
             continue
         try:
-            host = _median_us(built.run, sync_after=False)
-            wall = _median_us(built.run, sync_after=True)
+            host = _median_us(built.run, wait=False)
+            wall = _median_us(built.run, wait=True)
         finally:
             built.close()
         out[mode] = {"host_us": host, "wall_us": wall, "wall_us_per_layer": wall / layers}

@@ -20,30 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 
 import bcg
 from bcg import native
+from bcg.bench.timing import sample_ms
 
 
-def _time(fn: Callable[[], None], iters: int, sync: bool) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs (each synchronized before; after too if ``sync``)."""
-    samples = []
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+def _time(fn: Callable[[], None], iters: int, wait: bool) -> float:
+    """Median seconds of ``fn`` (synchronized before each call; after it too if ``wait``)."""
+    return statistics.median(sample_ms(fn, torch.cuda.synchronize, iters, warmup=3, wait=wait)) / 1e3
 
 
 def main() -> None:
@@ -104,8 +92,8 @@ def main() -> None:
         graph.use_executor(executor)
         cases[f"bcg micro replay ({executor})"] = graph.replay
     for name, fn in cases.items():
-        host = _time(fn, iters, sync=False) * 1e6 / K
-        wall = _time(fn, iters, sync=True) * 1e6 / K
+        host = _time(fn, iters, wait=False) * 1e6 / K
+        wall = _time(fn, iters, wait=True) * 1e6 / K
         results[name] = {"host_us_per_step": host, "wall_us_per_step": wall}
         print(f"{name:34} host {host:6.2f} us/step   wall {wall:6.2f} us/step", flush=True)
     graph.reset()

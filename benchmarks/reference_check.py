@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bcg.bench.timing import sample_ms
 from bcg.bench.workloads import llama
 
 
@@ -44,16 +44,7 @@ def unfused_forward(model: llama.LlamaModel, x: torch.Tensor, pos: torch.Tensor,
 
 
 def median_ms(fn, iters: int = 30) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(sample_ms(fn, torch.cuda.synchronize, iters, warmup=3))
 
 
 def main() -> None:

@@ -401,12 +401,6 @@ def test_pageable_host_copy_inside_a_segment_raises_host_sync_error() -> None:
     _assert_clean(stream, pool, capture=False)
 
 
-@pytest.mark.xfail(
-    reason="known bug (open in issue 2): when this is the process's first capture error, a capture "
-    "made after a refused pageable host copy can be invalidated in its second segment "
-    "(seen on an H200 with `pytest -m cuda`, not in the full suite's order)",
-    strict=False,
-)
 def test_capture_after_a_refused_pageable_host_copy_works() -> None:
     stream = torch.cuda.Stream()
     pool = bcg.graph_pool_handle()
@@ -415,6 +409,72 @@ def test_capture_after_a_refused_pageable_host_copy_works() -> None:
         with bcg.capture(bcg.BreakableGraph(), stream=stream, pool=pool):
             x.copy_(torch.randn(4))
     _assert_clean(stream, pool)
+
+
+def _captured_graph(x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x * 3  # warm up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        x * 3
+    torch.cuda.current_stream().wait_stream(stream)
+    return g
+
+
+def _drop_into_garbage(holder: list) -> None:
+    """Move the last graph of ``holder`` into a garbage reference cycle (its only reference),
+    then allocate enough containers that Python's cycle collector runs, if it is enabled."""
+    cycle: list = [holder.pop()]
+    cycle.append(cycle)
+    del cycle
+    junk = [[i] for i in range(50_000)]
+    del junk
+
+
+def test_the_cycle_collector_cannot_destroy_a_graph_inside_a_capture() -> None:
+    """Collecting garbage that holds a CUDA graph destroys it, which CUDA forbids during a
+    capture: torch.cuda.graph's capture is invalidated (control); bcg's is not."""
+    import gc
+
+    assert gc.isenabled()
+    x = torch.randn(256, device="cuda")
+    y = torch.empty_like(x)
+    holder = [_captured_graph(x) for _ in range(3)]
+    control = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(control, stream=torch.cuda.Stream()):
+            y.copy_(x + 1)
+            _drop_into_garbage(holder)
+    del control
+    gc.collect()
+    torch.cuda.synchronize()
+
+    @bcg.breakpoint
+    def bp(t: torch.Tensor) -> None:
+        t.mul_(2)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        u = t + 1
+        if holder:
+            _drop_into_garbage(holder)
+        bp(u)
+        if holder:
+            _drop_into_garbage(holder)
+        return u - 1
+
+    (x.clone() + 1).mul_(2) - 1  # warm up the kernels (a warm-up run of fn would use the holder up)
+    graph = bcg.make_graph(fn, x, warmup=0)
+    assert not holder and gc.isenabled()  # both graphs became garbage inside; collection resumed
+    x.copy_(torch.randn(256, device="cuda"))
+    torch.testing.assert_close(graph.replay(), (x + 1) * 2 - 1, rtol=0, atol=0)
+    graph.reset()
+    with pytest.raises(bcg.HostSyncInCaptureError):
+        with bcg.capture(bcg.BreakableGraph()):
+            float(x.sum())
+    assert gc.isenabled()  # resumed after a failed capture too
+    _assert_clean()
 
 
 def test_host_sync_in_a_later_segment_releases_earlier_segments() -> None:

@@ -25,21 +25,27 @@ def sync_fn(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def timed_ms(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    """Milliseconds of one synchronized call of ``fn``."""
+def timed_ms(fn: Callable[[], Any], sync: Callable[[], None], wait: bool = True) -> float:
+    """Milliseconds of one synchronized call of ``fn`` (``wait=False``: until ``fn`` returns,
+    i.e. the host's time to issue its work, the GPU idle at the start)."""
     sync()
     t0 = time.perf_counter()
     fn()
-    sync()
+    if wait:
+        sync()
     return (time.perf_counter() - t0) * 1e3
 
 
-def sample_ms(fn: Callable[[], Any], sync: Callable[[], None], iters: int, warmup: int = 0) -> list[float]:
-    """``warmup`` untimed calls, then ``iters`` synchronized samples (ms)."""
+def sample_ms(
+    fn: Callable[[], Any], sync: Callable[[], None], iters: int, warmup: int = 0, wait: bool = True
+) -> list[float]:
+    """``warmup`` untimed calls, then ``iters`` samples of :func:`timed_ms` (ms)."""
     for _ in range(warmup):
         fn()
     sync()
-    return [timed_ms(fn, sync) for _ in range(iters)]
+    samples = [timed_ms(fn, sync, wait) for _ in range(iters)]
+    sync()
+    return samples
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
