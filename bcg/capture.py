@@ -293,7 +293,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         # holds a CUDA graph (an abandoned capture's segments kept alive by a traceback, a
         # dropped model's graphs) destroys it, which CUDA forbids while a stream captures,
         # and the capture is invalidated at a point nobody can see. It is paused until the
-        # capture ends; garbage made meanwhile is collected after.
+        # capture ends; the garbage made meanwhile (all still in the youngest generation)
+        # is collected right then, not at some later point of the caller's hot path.
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         self._t0 = time.perf_counter()
@@ -369,6 +370,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     def _restore(self) -> None:
         if self._gc_was_enabled:
             gc.enable()
+            gc.collect(0)
         self._compile_watch.__exit__(None, None, None)
         if self._live_token is not None:
             reset_live(self._live_token)

@@ -3,6 +3,8 @@ RNG bookkeeping, errors, streams, threads, and its per-segment overhead."""
 
 from __future__ import annotations
 
+import gc
+
 import statistics
 import threading
 import time
@@ -250,6 +252,7 @@ def test_native_replay_runs_on_the_callers_current_stream() -> None:
     assert graph.executor == "native"
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
+    gc.collect()  # no collection (of another test's graphs, pools, events) inside the timed window
     torch.cuda._sleep(1_000_000_000)  # keep the default stream busy (about half a second)
     with torch.cuda.stream(side):
         x2 = torch.full_like(x, 3.0)  # allocated and filled on the side stream
