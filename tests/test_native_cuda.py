@@ -3,7 +3,6 @@ RNG bookkeeping, errors, streams, threads, and its per-segment overhead."""
 
 from __future__ import annotations
 
-import gc
 
 import statistics
 import threading
@@ -250,18 +249,20 @@ def test_native_replay_runs_on_the_callers_current_stream() -> None:
 
     graph, out = _capture(fn, x)
     assert graph.executor == "native"
-    torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    gc.collect()  # no collection (of another test's graphs, pools, events) inside the timed window
-    torch.cuda._sleep(1_000_000_000)  # keep the default stream busy (about half a second)
-    with torch.cuda.stream(side):
-        x2 = torch.full_like(x, 3.0)  # allocated and filled on the side stream
-        x.copy_(x2)
-        graph.replay()
-        result = out.clone()
-    side.synchronize()
-    busy = not torch.cuda.default_stream().query()
-    torch.cuda.synchronize()
+    # Twice: the first round loads lazily loaded kernels (the side stream's fill, the sleep),
+    # and loading a kernel module waits for the busy device, which would void the check.
+    for _ in range(2):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # keep the default stream busy (about half a second)
+        with torch.cuda.stream(side):
+            x2 = torch.full_like(x, 3.0)  # allocated and filled on the side stream
+            x.copy_(x2)
+            graph.replay()
+            result = out.clone()
+        side.synchronize()
+        busy = not torch.cuda.default_stream().query()
+        torch.cuda.synchronize()
     assert busy, "the default stream finished first: the check is inconclusive"
     # had a segment gone to the default stream it would still be queued behind the sleep
     assert torch.equal(result, torch.full_like(x, 7.0))
