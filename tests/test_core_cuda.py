@@ -443,10 +443,14 @@ def test_the_cycle_collector_cannot_destroy_a_graph_inside_a_capture() -> None:
     y = torch.empty_like(x)
     holder = [_captured_graph(x) for _ in range(3)]
     control = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError):
-        with torch.cuda.graph(control, stream=torch.cuda.Stream()):
+    side = torch.cuda.Stream()
+    # the outer stream context restores the current stream: a failing torch.cuda.graph
+    # leaves its capture stream current (its __exit__ stops at the failed capture_end)
+    with torch.cuda.stream(side), pytest.raises(RuntimeError):
+        with torch.cuda.graph(control, stream=side):
             y.copy_(x + 1)
             _drop_into_garbage(holder)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     del control
     gc.collect()
     torch.cuda.synchronize()
