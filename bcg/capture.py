@@ -221,11 +221,15 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     inputs for guards; ``guards`` (default: env ``BCG_GUARDS``) checks before each
     replay that they and every breakpoint argument keep their captured address
     and layout; ``poison`` (default: env ``BCG_POISON``) fills the pool's free
-    memory with NaN before each replay (see :mod:`bcg.debug`). Constraints: warm the code up eagerly first (lazy init must not
-    happen inside a segment); code between breakpoints must be capturable (no
-    ``.item()``, no pageable host copies, no data-dependent host control flow);
-    graphs sharing a pool must not replay concurrently, and a graph's outputs are
-    only valid until another graph in the same pool replays.
+    memory with NaN before each replay (see :mod:`bcg.debug`). Constraints: warm the code up eagerly first (lazy init,
+    and torch.compile's compiling, must not happen inside a segment); code
+    between breakpoints must be capturable (no ``.item()``, no pageable host
+    copies, no data-dependent host control flow); do not drop the last
+    reference to a CUDA graph inside the capture (Python's cycle collector is
+    paused meanwhile, process-wide); graphs sharing a pool must not replay
+    concurrently, and a graph's outputs are only valid until another graph in
+    the same pool replays. Inductor's own CUDA graphs are off during the
+    capture (see :mod:`bcg.compiled`).
     """
 
     def __init__(
