@@ -34,7 +34,7 @@ log = logging.getLogger("bcg")
 CAPTURE_SIZES = "triton.cudagraph_capture_sizes"
 
 
-def _dynamo_graphs() -> int:
+def dynamo_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far (0 when Dynamo is not loaded)."""
     utils = sys.modules.get("torch._dynamo.utils")
     counters = getattr(utils, "counters", None)
@@ -55,7 +55,7 @@ class CompileWatch:
         self._start = 0
 
     def __enter__(self) -> CompileWatch:
-        self._start = _dynamo_graphs()
+        self._start = dynamo_graphs()
         config = sys.modules.get("torch._inductor.config")
         if config is not None and hasattr(config.triton, "cudagraph_capture_sizes"):
             if config.triton.cudagraph_capture_sizes != ():
@@ -73,7 +73,7 @@ class CompileWatch:
 
     @property
     def compiled(self) -> int:
-        return _dynamo_graphs() - self._start
+        return dynamo_graphs() - self._start
 
     def message(self) -> str | None:
         """What to tell the user when Dynamo compiled during the capture (None: it did not)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import bcg
@@ -53,3 +54,38 @@ def test_breakpoint_in_compiled_code_still_records_structure_in_eager_mode() -> 
     assert graph.num_breakpoints == 1 and graph.num_segments == 2
     x.copy_(torch.randn(8))
     torch.testing.assert_close(graph.replay(), (x * 2 + 1).exp())
+
+
+def test_compile_watch_counts_graphs_compiled_inside_it() -> None:
+    from bcg.compiled import CompileWatch, dynamo_graphs
+
+    torch._dynamo.reset()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() + 1
+
+    compiled = torch.compile(f, backend="eager")
+    x = torch.randn(8)
+    compiled(x)  # compiled before the watch: not counted
+    with CompileWatch() as watch:
+        compiled(x)
+        assert watch.compiled == 0 and watch.message() is None
+        before = dynamo_graphs()
+        compiled(torch.randn(3, 5))  # a new rank: Dynamo compiles again
+        assert dynamo_graphs() == before + 1
+        assert watch.compiled == 1
+        assert "torch.compile compiled 1 graph(s) during this capture" in (watch.message() or "")
+
+
+def test_compile_watch_switches_inductors_cuda_graphs_off_and_back() -> None:
+    import torch._inductor.config as inductor_config
+
+    from bcg.compiled import CompileWatch
+
+    before = inductor_config.triton.cudagraph_capture_sizes
+    with CompileWatch():
+        assert inductor_config.triton.cudagraph_capture_sizes == ()  # no size is graphed by Inductor
+    assert inductor_config.triton.cudagraph_capture_sizes == before
+    with pytest.raises(ValueError), CompileWatch():  # restored when the capture fails too
+        raise ValueError("capture failed")
+    assert inductor_config.triton.cudagraph_capture_sizes == before

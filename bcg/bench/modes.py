@@ -20,6 +20,7 @@ import torch
 
 import bcg
 from bcg.bench.case import Case
+from bcg.compiled import dynamo_graphs
 
 
 @dataclass(eq=False)
@@ -124,15 +125,13 @@ def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[.
 
 def _warm_compiled(fn: Callable[..., Any], case: Case, info: dict[str, Any]) -> None:
     """Run ``fn`` once eagerly so that compiling happens here; record the seconds and graphs compiled."""
-    from torch._dynamo.utils import counters
-
-    graphs0 = int(counters["stats"]["unique_graphs"])
+    graphs0 = dynamo_graphs()
     t0 = time.perf_counter()
     with bcg.live_scope(case.live), torch.no_grad():
         fn(*case.static_args)
     torch.cuda.synchronize()
     info["compile_s"] = time.perf_counter() - t0
-    info["graphs_compiled"] = int(counters["stats"]["unique_graphs"]) - graphs0
+    info["graphs_compiled"] = dynamo_graphs() - graphs0
 
 
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import bcg
 from bcg.bench.case import Case
+from bcg.compiled import dynamo_graphs
 
 NAME = "llama"
 NEEDS_CUDA = False
@@ -196,7 +197,6 @@ class Regions:
 
     def __init__(self, H: int, KV: int, D: int, hidden: int) -> None:
         self.H, self.KV, self.D, self.hidden = H, KV, D, hidden
-        self.is_compiled = False
 
         def qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor) -> Any:
             T = x.shape[0]
@@ -233,7 +233,6 @@ class Regions:
     def compiled(self, **compile_kwargs: Any) -> Regions:
         """The same regions through ``torch.compile`` (token dimension dynamic: one compile for all T)."""
         out = Regions(self.H, self.KV, self.D, self.hidden)
-        out.is_compiled = True
         out.first = _tokens_dynamic(torch.compile(self.first, **compile_kwargs), (0, 1))
         out.middle = _tokens_dynamic(torch.compile(self.middle, **compile_kwargs), (0, 1, 2, 3))
         out.last = _tokens_dynamic(torch.compile(self.last, **compile_kwargs), (0, 1))
@@ -488,12 +487,6 @@ def _cold_compile_caches() -> Any:
     return fresh()
 
 
-def _dynamo_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def _ladder(model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None) -> dict[str, Any]:
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
@@ -508,22 +501,22 @@ def _ladder(model: LlamaModel, args: argparse.Namespace, device: torch.device, r
     section: dict[str, Any] = {"buckets": buckets}
     if regions is not None:
         # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
-        graphs0 = _dynamo_graphs()
+        graphs0 = dynamo_graphs()
         t0 = time.perf_counter()
         with bcg.live_scope(live_for(buckets[-1])), torch.no_grad():
             forward(x, pos)
         torch.cuda.synchronize()
         section["compile_s"] = time.perf_counter() - t0
-        section["graphs_compiled"] = _dynamo_graphs() - graphs0
+        section["graphs_compiled"] = dynamo_graphs() - graphs0
     runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=live_for, progress=False)
-    graphs0 = _dynamo_graphs() if regions is not None else 0
+    graphs0 = dynamo_graphs() if regions is not None else 0
     t0 = time.perf_counter()
     runner.capture()
     total = time.perf_counter() - t0
     if regions is None:
         runner.measure_largest_alone()
     else:
-        section["graphs_compiled_during_capture"] = _dynamo_graphs() - graphs0
+        section["graphs_compiled_during_capture"] = dynamo_graphs() - graphs0
     stats = runner.stats()
     # one call per bucket, checked against the eager forward on the same (padded) inputs
     worst = 0.0
