@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import bcg
 from bcg.bench import cli, modes, report
 from bcg.bench.timing import rel_err
 from bcg.bench.workloads import llama, micro
@@ -266,3 +267,23 @@ def test_report_on_gpu_shaped_rows(tmp_path: Path) -> None:
     report.write_json(tmp_path / "bench.json", env, {"k": 1}, rows + [{**rows[0], "rel_err": float("nan")}])
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["rows"][-1]["rel_err"] == "nan"  # strict JSON: NaN written as a string
+
+
+def test_compiling_call_times_the_compile_and_counts_its_graphs() -> None:
+    from bcg.bench.timing import compiling_call
+
+    torch._dynamo.reset()
+    seen: list[object] = []
+
+    @bcg.breakpoint
+    def bp(t: torch.Tensor) -> torch.Tensor:
+        seen.append(bcg.live())
+        return t + 1
+
+    compiled = torch.compile(lambda x: bp(x.sin()).cos(), backend="eager")
+    x = torch.randn(16)
+    first = compiling_call(compiled, (x,), "live-1", lambda: None)
+    assert first["graphs_compiled"] == 2 and first["compile_s"] > 0  # before and after the breakpoint
+    again = compiling_call(compiled, (x,), "live-2", lambda: None)
+    assert again["graphs_compiled"] == 0
+    assert seen == ["live-1", "live-2"]

@@ -20,7 +20,7 @@ import torch
 
 import bcg
 from bcg.bench.case import Case
-from bcg.compiled import dynamo_graphs
+from bcg.bench.timing import compiling_call
 
 
 @dataclass(eq=False)
@@ -123,17 +123,6 @@ def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[.
     return case.make_compiled_forward(bp)
 
 
-def _warm_compiled(fn: Callable[..., Any], case: Case, info: dict[str, Any]) -> None:
-    """Run ``fn`` once eagerly so that compiling happens here; record the seconds and graphs compiled."""
-    graphs0 = dynamo_graphs()
-    t0 = time.perf_counter()
-    with bcg.live_scope(case.live), torch.no_grad():
-        fn(*case.static_args)
-    torch.cuda.synchronize()
-    info["compile_s"] = time.perf_counter() - t0
-    info["graphs_compiled"] = dynamo_graphs() - graphs0
-
-
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
     """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
     graph = bcg.make_graph(case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup)
@@ -158,7 +147,7 @@ def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None, compiled: b
     fn = forward_of(case, case.bp, compiled)
     info: dict[str, Any] = {}
     if compiled:
-        _warm_compiled(fn, case, info)
+        info.update(compiling_call(fn, case.static_args, case.live, torch.cuda.synchronize))
     runner = bcg.GraphRunner(
         fn,
         buckets=[case.T] if case.T is not None else [case.static_args[0].shape[0]],
@@ -191,7 +180,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
     fn = forward_of(case, case.bp_frozen, compiled)
     info: dict[str, Any] = {"segments": 1, "breakpoints": 0}
     if compiled:
-        _warm_compiled(fn, case, info)
+        info.update(compiling_call(fn, case.static_args, case.live, torch.cuda.synchronize))
     args = case.static_args
     stream = capture_stream_warmup(fn, args, ctx.capture_warmup, case.live)
     pool = torch.cuda.graph_pool_handle()

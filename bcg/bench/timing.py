@@ -48,6 +48,20 @@ def sample_ms(
     return samples
 
 
+def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    """One eager call of a ``torch.compile``'d ``fn`` (where it compiles, if it has not yet):
+    ``{"compile_s": seconds until the device is done, "graphs_compiled": Dynamo graphs made}``."""
+    import bcg
+    from bcg.compiled import dynamo_graphs
+
+    graphs0 = dynamo_graphs()
+    t0 = time.perf_counter()
+    with bcg.live_scope(live), torch.no_grad():
+        fn(*args)
+    sync()
+    return {"compile_s": time.perf_counter() - t0, "graphs_compiled": dynamo_graphs() - graphs0}
+
+
 def summarize(samples: list[float]) -> dict[str, float]:
     return {
         "ms_median": statistics.median(samples),

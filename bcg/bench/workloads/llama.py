@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import bcg
 from bcg.bench.case import Case
+from bcg.bench.timing import compiling_call
 from bcg.compiled import dynamo_graphs
 
 NAME = "llama"
@@ -501,13 +502,7 @@ def _ladder(model: LlamaModel, args: argparse.Namespace, device: torch.device, r
     section: dict[str, Any] = {"buckets": buckets}
     if regions is not None:
         # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
-        graphs0 = dynamo_graphs()
-        t0 = time.perf_counter()
-        with bcg.live_scope(live_for(buckets[-1])), torch.no_grad():
-            forward(x, pos)
-        torch.cuda.synchronize()
-        section["compile_s"] = time.perf_counter() - t0
-        section["graphs_compiled"] = dynamo_graphs() - graphs0
+        section.update(compiling_call(forward, (x, pos), live_for(buckets[-1]), torch.cuda.synchronize))
     runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=live_for, progress=False)
     graphs0 = dynamo_graphs() if regions is not None else 0
     t0 = time.perf_counter()
