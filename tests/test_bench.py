@@ -50,7 +50,7 @@ def test_defaults() -> None:
     assert args.workload == ["llama", "micro"]
     assert args.modes is None  # all registered modes
     assert args.tokens == [128, 512, 2048]
-    assert args.attn == ["varlen", "loop"]
+    assert args.attn == ["flash", "varlen", "loop"]
     assert args.requests == 4
     assert args.segments == 64 and args.micro_iters == 200
     assert args.iters is None and args.warmup == 3 and args.out is None
@@ -80,7 +80,7 @@ def test_lists_and_overrides(tmp_path: Path) -> None:
     [
         ["--modes", "nope"],
         ["--workload", "llama,bert"],
-        ["--attn", "flash"],
+        ["--attn", "paged"],
         ["--tokens", "12,x"],
         ["--tokens", "0"],
         ["--iters", "0"],
@@ -174,7 +174,7 @@ def test_cpu_run_writes_json_and_png(no_cuda: None, tmp_path: Path, capsys: pyte
     _check_doc(doc)
     rows = doc["rows"]
     assert {(r["attn"], r["T"], r["mode"]) for r in rows} == {
-        (a, t, m) for a in ("varlen", "loop") for t in (16, 48) for m in ("eager", "bcg-eager")
+        (a, t, m) for a in ("flash", "varlen", "loop") for t in (16, 48) for m in ("eager", "bcg-eager")
     }
     for row in rows:
         assert row["workload"] == "llama"
@@ -190,6 +190,9 @@ def test_cpu_run_writes_json_and_png(no_cuda: None, tmp_path: Path, capsys: pyte
     assert doc["errors"] == []
     png = tmp_path / "bench.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {r["attn_backend"] for r in rows if r["attn"] == "flash"} == {
+        "sdpa-per-request (aten._flash_attention_forward fallback: no CUDA)"
+    }
 
 
 def test_cpu_run_skips_graph_modes(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
@@ -221,7 +224,12 @@ def test_micro_case_on_cpu() -> None:
     case = micro.make_case(micro.setup(args, dev), args, dev, None, None)
     sync = lambda: None  # noqa: E731
     ref = cli._reference(case, sync)
-    rows = [cli._measure(case, m, lambda: ref, modes.BuildContext(), 2, 0, sync) for m in ("eager", "bcg-eager")]
+    def fail(mode: str, exc: Exception) -> None:
+        raise exc
+
+    rows = cli._measure_case(case, ["eager", "bcg-eager"], lambda compiled: ref, modes.BuildContext(), 2, 0, sync,
+                             failed=fail, skipped=fail, progress=lambda step: None)
+    assert [r["mode"] for r in rows] == ["eager", "bcg-eager"]
     cli._finish_case(case, rows)
     for row in rows:
         assert row["rel_err"] == 0.0 and row["K"] == 5
@@ -287,3 +295,31 @@ def test_compiling_call_times_the_compile_and_counts_its_graphs() -> None:
     again = compiling_call(compiled, (x,), "live-2", lambda: None)
     assert again["graphs_compiled"] == 0
     assert seen == ["live-1", "live-2"]
+
+
+def test_sample_interleaved_takes_rounds_and_drops_a_failing_function() -> None:
+    """Samples are taken one call of each function per round, each round starting one later;
+    a function that raises is reported once and not called again, the others go on."""
+    from bcg.bench.timing import sample_interleaved
+
+    calls: list[str] = []
+    errors: list[tuple[str, str]] = []
+
+    def fn(name: str, fail_at: int | None = None):
+        def run() -> None:
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+
+        return run
+
+    samples = sample_interleaved({"a": fn("a"), "b": fn("b", fail_at=3), "c": fn("c")}, lambda: None, iters=3,
+                                 warmup=1, on_error=lambda name, exc: errors.append((name, str(exc))))
+    # round 0 (warm-up): a b c; round 1: b c a; round 2: c a b (b raises: its 3rd call); round 3: a c
+    assert calls[:3] == ["a", "b", "c"] and calls[3:6] == ["b", "c", "a"]
+    assert errors == [("b", "b broke")] and calls.count("b") == 3
+    assert len(samples["a"]) == len(samples["c"]) == 3 and len(samples["b"]) == 1
+    assert all(isinstance(x, float) and x >= 0 for x in samples["a"])
+    with pytest.raises(RuntimeError, match="b broke"):
+        calls.clear()
+        sample_interleaved({"b": fn("b", fail_at=1)}, lambda: None, iters=1)

@@ -34,7 +34,7 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
     for module, mode in (("piecewise_cuda_graphs", "piecewise-cuda-graphs"), ("breakable_cuda_graphs", "breakable-cuda-graphs")):
         assert (mode in run) == (importlib.util.find_spec(module) is not None)
     points = {(r["attn"], r["T"]) for r in rows}
-    assert points == {(a, t) for a in ("varlen", "loop") for t in (64, 256)}
+    assert points == {(a, t) for a in ("flash", "varlen", "loop") for t in (64, 256)}
     for attn, T in points:
         assert {r["mode"] for r in rows if (r["attn"], r["T"]) == (attn, T)} == run
     for row in rows:
@@ -51,6 +51,8 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
             assert row["segments"] == 1 and row["pool_mib"] > 0
         if row["attn"] == "varlen":
             assert row["attn_backend"] == "varlen_attn"  # torch >= 2.10 has torch.nn.attention.varlen
+        if row["attn"] == "flash":
+            assert row["attn_backend"] == "aten._flash_attention_forward"
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
@@ -68,15 +70,16 @@ def test_micro(tmp_path: Path) -> None:
     assert bcg_row["segments"] == 8 and bcg_row["breakpoints"] == 8
 
 
-def test_varlen_matches_per_request_sdpa() -> None:
-    """The varlen breakpoint body is causal per request, like the SDPA loop (GQA expanded)."""
+@pytest.mark.parametrize("kernel", ["varlen", "flash"])
+def test_packed_attention_matches_per_request_sdpa(kernel: str) -> None:
+    """The varlen and flash breakpoint bodies are causal per request, like the SDPA loop (GQA)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = llama.request_lengths(200, 4, seed=0)
     T, H, KV, D = 200, 8, 2, 64
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(T, KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(T, KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out_varlen, out_loop = torch.empty_like(q), torch.empty_like(q)
-    llama.varlen(q, k, v, out_varlen, llama.cu_seqlens(lengths, q.device), max(lengths))
+    out_packed, out_loop = torch.empty_like(q), torch.empty_like(q)
+    getattr(llama, kernel)(q, k, v, out_packed, llama.cu_seqlens(lengths, q.device), max(lengths))
     llama.sdpa_per_request(q, k, v, out_loop, lengths)
-    torch.testing.assert_close(out_varlen, out_loop, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out_packed, out_loop, atol=2e-2, rtol=2e-2)

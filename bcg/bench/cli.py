@@ -1,11 +1,13 @@
 """``bcg-bench`` / ``python -m bcg.bench``: measure bcg against eager, one CUDA graph, and peers.
 
-For every workload point (e.g. llama, attn=varlen, T=512) and every mode, in one
-process on the same inputs: build (capture), time the first replay, run
-``--warmup`` untimed replays, time ``--iters`` replays with a synchronized host
-wall clock (see :mod:`bcg.bench.timing`), then write fresh random inputs into
-the static input buffers, replay once more and compare with an eager reference
-on those inputs (``rel_err``). Each mode is freed before the next is built.
+For every workload point (e.g. llama, attn=flash, T=512), in one process on the
+same inputs: build (capture) every mode and time its first replay; then run
+``--warmup`` untimed and ``--iters`` timed replays of all modes in rounds (one
+replay of each mode per round, see :func:`bcg.bench.timing.sample_interleaved`),
+each with a synchronized host wall clock; then, mode by mode, write fresh random
+inputs into the static input buffers, replay once more and compare with an eager
+reference on those inputs (``rel_err``). A point's modes are freed before the
+next point is built.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 import bcg
 from bcg.bench import report
 from bcg.bench.case import Case
-from bcg.bench.modes import MODES, BuildContext, NotApplicable, forward_of, skip_reason
-from bcg.bench.timing import rel_err, sample_ms, summarize, sync_fn, timed_ms
+from bcg.bench.modes import MODES, BuildContext, Built, NotApplicable, forward_of, skip_reason
+from bcg.bench.timing import rel_err, sample_interleaved, summarize, sync_fn, timed_ms
 from bcg.bench.workloads import WORKLOADS
 
 NO_CUDA_MESSAGE = (
@@ -38,7 +40,8 @@ GPU_ITERS, CPU_ITERS = 30, 5
 TIMING_NOTE = (
     "each sample: torch.cuda.synchronize(); t0=perf_counter(); replay(); torch.cuda.synchronize(); "
     "t1 -- host wall clock, so host launch/breakpoint work and GPU idle gaps count; median/min over --iters "
-    "samples after --warmup untimed replays; first_replay_ms is the first replay after capture"
+    "samples after --warmup untimed replays, all modes of a point timed in rounds (one replay each per round) "
+    "so that they share the machine's drift; first_replay_ms is the first replay after capture"
 )
 
 
@@ -119,25 +122,10 @@ def _reference(case: Case, sync: Any, compiled: bool = False) -> torch.Tensor:
     return ref
 
 
-def _measure(case: Case, mode: str, reference: Callable[[], torch.Tensor], ctx: BuildContext, iters: int, warmup: int,
-             sync: Any) -> dict[str, Any]:
-    """Build ``mode``, time it, and compare its output on fresh inputs with ``reference()``
-    (called after the build and the timing, so that a compile happens in the build)."""
-    built = MODES[mode].build(case, ctx)
-    try:
-        first = timed_ms(built.run, sync)
-        samples = sample_ms(built.run, sync, iters=iters, warmup=warmup)
-        ref = reference()
-        case.write_inputs(True)
-        out = built.run()
-        sync()
-        err = rel_err(out, ref)
-        case.write_inputs(False)
-        del out
-    finally:
-        built.close()
+def _row(case: Case, mode: str, built: Built, first: float, samples: list[float], err: float, iters: int
+         ) -> dict[str, Any]:
     stats = summarize(samples)
-    row: dict[str, Any] = {
+    return {
         "workload": case.workload,
         "attn": case.attn,
         "mode": mode,
@@ -151,12 +139,65 @@ def _measure(case: Case, mode: str, reference: Callable[[], torch.Tensor], ctx: 
         "extra_us_per_break": None,
         "rel_err": err,
         "ms_mean": stats["ms_mean"],
-        "iters": iters,
+        "iters": len(samples),
         "breaks": case.num_breaks,
         **case.fields,
         **built.info,
     }
-    return row
+
+
+def _check(case: Case, built: Built, ref: torch.Tensor, sync: Any) -> float:
+    """``rel_err`` of one replay on fresh inputs against ``ref`` (the eager output on them)."""
+    case.write_inputs(True)
+    try:
+        out = built.run()
+        sync()
+        return rel_err(out, ref)
+    finally:
+        case.write_inputs(False)
+
+
+def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torch.Tensor], ctx: BuildContext,
+                  iters: int, warmup: int, sync: Any, failed: Callable[[str, Exception], None],
+                  skipped: Callable[[str, NotApplicable], None], progress: Callable[[str], None]
+                  ) -> list[dict[str, Any]]:
+    """Build every mode, time them in rounds, check each against ``reference(compiled)``
+    (called after the builds, so that a compile happens in a build); close them all."""
+    built: dict[str, Built] = {}
+    first: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []
+    try:
+        for mode in modes:
+            progress(f"build {mode}")
+            try:
+                b = MODES[mode].build(case, ctx)
+            except NotApplicable as exc:
+                skipped(mode, exc)
+                continue
+            except Exception as exc:  # keep going: one failing mode must not lose the run
+                failed(mode, exc)
+                continue
+            built[mode] = b
+            try:
+                first[mode] = timed_ms(b.run, sync)
+            except Exception as exc:
+                failed(mode, exc)
+                built.pop(mode).close()
+        progress(f"time {len(built)} modes")
+        samples = sample_interleaved({m: b.run for m, b in built.items()}, sync, iters, warmup, on_error=failed)
+        for mode, b in built.items():
+            if len(samples[mode]) < iters:
+                continue  # failed while timed
+            try:
+                err = _check(case, b, reference(MODES[mode].compiled), sync)
+            except Exception as exc:
+                failed(mode, exc)
+                continue
+            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters))
+    finally:
+        for b in built.values():
+            b.close()
+    return rows
 
 
 def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
@@ -268,22 +309,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         refs[compiled] = _reference(case, sync, compiled)
                     return refs[compiled]
 
-                case_rows: list[dict[str, Any]] = []
-                for mode in modes:
-                    bar.set_description(f"{case.label}: {mode}", refresh=tty)
-                    try:
-                        compiled = MODES[mode].compiled
-                        case_rows.append(_measure(case, mode, lambda c=compiled: reference(c), ctx,
-                                                  case.iters or iters, args.warmup, sync))
-                    except NotApplicable as exc:
-                        skipped.append({"workload": case.workload, "T": case.T, "mode": mode, "reason": str(exc)})
-                    except Exception as exc:  # keep going: one failing mode must not lose the run
-                        errors.append({"workload": case.workload, "attn": case.attn, "T": case.T, "mode": mode,
-                                       "error": f"{type(exc).__name__}: {exc}"})
-                        bar.write(f"bcg-bench: {case.label} {mode} FAILED: {type(exc).__name__}: {exc}")
-                    finally:
-                        _cleanup(cuda)
-                    bar.update()
+                def failed(mode: str, exc: Exception, case: Case = case) -> None:
+                    errors.append({"workload": case.workload, "attn": case.attn, "T": case.T, "mode": mode,
+                                   "error": f"{type(exc).__name__}: {exc}"})
+                    bar.write(f"bcg-bench: {case.label} {mode} FAILED: {type(exc).__name__}: {exc}")
+
+                def not_applicable(mode: str, exc: NotApplicable, case: Case = case) -> None:
+                    skipped.append({"workload": case.workload, "T": case.T, "mode": mode, "reason": str(exc)})
+
+                def progress(step: str, case: Case = case) -> None:
+                    bar.set_description(f"{case.label}: {step}", refresh=tty)
+
+                case_rows = _measure_case(case, modes, reference, ctx, case.iters or iters, args.warmup, sync,
+                                          failed, not_applicable, progress)
+                bar.update(len(modes))
                 _finish_case(case, case_rows)
                 rows.extend(case_rows)
                 summary = ", ".join(f"{r['mode']} {r['ms_median']:.3f}" for r in case_rows)

@@ -5,8 +5,9 @@ with :func:`register_mode`; ``--modes`` and the report pick it up. ``Built.run``
 performs one forward (a replay) on the current stream and returns the output
 tensor; ``Built.close`` frees what the mode holds (graphs, pools).
 
-Each mode is built, measured and closed before the next one starts, so at most
-one mode's graphs hold memory at a time.
+All modes of one benchmark point are built, then timed in rounds, then closed:
+their graphs hold memory together, so a mode must not depend on another's
+being closed, and must replay correctly after any other mode's replay.
 """
 
 from __future__ import annotations
@@ -123,9 +124,12 @@ def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[.
     return case.make_compiled_forward(bp)
 
 
-def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
+def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
     """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
-    graph = bcg.make_graph(case.forward(case.bp), *case.static_args, live=case.live, warmup=ctx.capture_warmup)
+    fn = forward_of(case, case.bp, compiled)
+    if compiled:
+        compiling_call(fn, case.static_args, case.live, torch.cuda.synchronize)
+    graph = bcg.make_graph(fn, *case.static_args, live=case.live, warmup=ctx.capture_warmup)
     if executor is not None:
         graph.use_executor(executor)
     torch.cuda.synchronize()
@@ -140,8 +144,11 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None) -> Built:
     )
 
 
-def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
-    """The library as a serving engine uses it: a GraphRunner with one bucket of size T."""
+def _bcg_runner(
+    case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False, **runner_kwargs: Any
+) -> Built:
+    """The library as a serving engine uses it: a GraphRunner with one bucket of size T
+    (``runner_kwargs``: more GraphRunner options, e.g. ``sanitize=False``)."""
     if not case.use_runner and not compiled:
         return _bcg_graph(case, ctx, executor)
     fn = forward_of(case, case.bp, compiled)
@@ -154,6 +161,7 @@ def _bcg_runner(case: Case, ctx: BuildContext, executor: str | None, compiled: b
         example_inputs=case.static_args,
         capture_live=case.live_for if case.live_for is not None else case.live,
         progress=False,
+        **runner_kwargs,
     )
     t0 = time.perf_counter()
     runner.capture()

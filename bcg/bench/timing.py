@@ -48,6 +48,47 @@ def sample_ms(
     return samples
 
 
+def sample_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    sync: Callable[[], None],
+    iters: int,
+    warmup: int = 0,
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> dict[str, list[float]]:
+    """:func:`timed_ms` samples of several functions taken in rounds (ms per name).
+
+    Each round times every function once, starting one place later than the
+    round before, so all of them see the same drift of the machine (clocks
+    falling as the GPU heats up, a neighbour's load): their ratios stay fair
+    where back-to-back blocks of samples would favour whichever ran first. A
+    function that raises is passed to ``on_error`` (else the error propagates)
+    and dropped from later rounds; its samples so far are kept.
+    """
+    active = dict(fns)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+
+    def call(name: str, measure: bool) -> None:
+        try:
+            if measure:
+                samples[name].append(timed_ms(active[name], sync))
+            else:
+                active[name]()
+        except Exception as exc:
+            if on_error is None:
+                raise
+            del active[name]
+            on_error(name, exc)
+
+    for r in range(warmup + iters):
+        names = list(active)
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            if name in active:
+                call(name, measure=r >= warmup)
+    sync()
+    return samples
+
+
 def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, sync: Callable[[], None]) -> dict[str, Any]:
     """One eager call of a ``torch.compile``'d ``fn`` (where it compiles, if it has not yet):
     ``{"compile_s": seconds until the device is done, "graphs_compiled": Dynamo graphs made}``."""

@@ -14,10 +14,15 @@ from :func:`bcg.live` and writes into a preallocated output argument in place
   breakpoint's host work builds ``cu_seqlens`` (int32, pinned, non-blocking copy)
   from the live lengths. Without CUDA (or without ``varlen_attn``) it falls back
   to the per-request SDPA loop; rows say which backend ran (``attn_backend``).
+* ``flash`` - the flash kernel ``varlen_attn`` wraps
+  (``torch.ops.aten._flash_attention_forward``), called directly as serving
+  engines call their flash kernel: no Python custom-op dispatch, GQA native (no
+  KV copies). Same cu_seqlens and fallback as ``varlen``.
 * ``loop`` - a per-request causal ``F.scaled_dot_product_attention`` loop (host heavy).
 
-GQA: the KV heads are repeated to the query heads first (``repeat_interleave``
-over the head dimension, written as expand+reshape: one copy kernel).
+GQA: except for ``flash``, the KV heads are repeated to the query heads first
+(``repeat_interleave`` over the head dimension, written as expand+reshape: one
+copy kernel each for K and V).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336},
     "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
 }
-ATTN = ("varlen", "loop")
+ATTN = ("flash", "varlen", "loop")
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
 
@@ -68,6 +73,8 @@ def _causal_kwargs() -> dict[str, Any] | None:
 
 
 _CAUSAL = _causal_kwargs()
+# the kernel behind varlen_attn, as one OpOverload (the cheapest call from Python)
+_FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
 
 
 # -- arguments ----------------------------------------------------------------------------
@@ -108,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="capture a GraphRunner over the default 16-bucket ladder up to this many tokens and "
                    "report its capture time and pool size (GPU only; 0 skips; default 4096)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
-                   help="attention implementations: varlen,loop (default both)")
+                   help="attention implementations: flash,varlen,loop (default all three)")
 
 
 def shape(args: argparse.Namespace) -> dict[str, int]:
@@ -354,14 +361,22 @@ def varlen_usable(device: torch.device) -> bool:
     return _varlen_attn is not None and _CAUSAL is not None and device.type == "cuda"
 
 
+def flash_usable(device: torch.device) -> bool:
+    return _FLASH is not None and device.type == "cuda"
+
+
+_BACKENDS = {"varlen": ("varlen_attn", varlen_usable), "flash": ("aten._flash_attention_forward", flash_usable)}
+
+
 def attn_backend(attn: str, device: torch.device) -> str:
     if attn == "loop":
         return "sdpa-per-request"
-    if varlen_usable(device):
-        return "varlen_attn"
+    name, usable = _BACKENDS[attn]
+    if usable(device):
+        return name
     if device.type != "cuda":
-        return "sdpa-per-request (varlen_attn fallback: no CUDA)"
-    return "sdpa-per-request (varlen_attn fallback: not in this torch)"
+        return f"sdpa-per-request ({name} fallback: no CUDA)"
+    return f"sdpa-per-request ({name} fallback: not in this torch)"
 
 
 def cu_seqlens(lengths: Any, device: torch.device) -> torch.Tensor:
@@ -379,6 +394,21 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     out.copy_(o)
 
 
+def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu: torch.Tensor, max_len: int) -> None:
+    """One causal flash-attention call over the packed batch, GQA native; writes ``out`` in place."""
+    assert _FLASH is not None
+    out.copy_(_FLASH(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0])
+
+
+@bcg.breakpoint(name="attention_flash", mutates=("out",))
+def attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    batch = bcg.live()
+    if batch.cu is None or _FLASH is None:
+        sdpa_per_request(q, k, v, out, batch.lengths)
+        return
+    flash(q, k, v, out, batch.cu, batch.max_len)
+
+
 @bcg.breakpoint(name="attention_varlen", mutates=("out",))
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
     batch = bcg.live()
@@ -393,15 +423,16 @@ def attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     sdpa_per_request(q, k, v, out, bcg.live().lengths)
 
 
-BREAKPOINTS = {"varlen": attention_varlen, "loop": attention_loop}
+BREAKPOINTS = {"flash": attention_flash, "varlen": attention_varlen, "loop": attention_loop}
 
 
 def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
     """The same attention with the lengths frozen now: capturable inside one CUDA graph."""
-    if attn == "varlen" and varlen_usable(device):
+    if attn in _BACKENDS and _BACKENDS[attn][1](device):
         cu = cu_seqlens(lengths, device)
         max_len = max(lengths)
-        return lambda q, k, v, out: varlen(q, k, v, out, cu, max_len)
+        kernel = flash if attn == "flash" else varlen
+        return lambda q, k, v, out: kernel(q, k, v, out, cu, max_len)
     return lambda q, k, v, out: sdpa_per_request(q, k, v, out, lengths)
 
 
