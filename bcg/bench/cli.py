@@ -3,7 +3,8 @@
 For every workload point (e.g. llama, attn=flash, T=512), in one process on the
 same inputs: build (capture) every mode and time its first replay; then run
 ``--warmup`` untimed and ``--iters`` timed replays of all modes in rounds (one
-replay of each mode per round, see :func:`bcg.bench.timing.sample_interleaved`),
+replay of each mode per round, in a random order, see
+:func:`bcg.bench.timing.sample_interleaved`),
 each with a synchronized host wall clock; then, mode by mode, write fresh random
 inputs into the static input buffers, replay once more and compare with an eager
 reference on those inputs (``rel_err``). A point's modes are freed before the
@@ -36,12 +37,12 @@ NO_CUDA_MESSAGE = (
     "eager and bcg-eager only (CPU timings say nothing about CUDA graphs)."
 )
 CPU_MODES = ("eager", "bcg-eager")
-GPU_ITERS, CPU_ITERS = 30, 5
+GPU_ITERS, CPU_ITERS = 50, 5
 TIMING_NOTE = (
     "each sample: torch.cuda.synchronize(); t0=perf_counter(); replay(); torch.cuda.synchronize(); "
     "t1 -- host wall clock, so host launch/breakpoint work and GPU idle gaps count; median/min over --iters "
-    "samples after --warmup untimed replays, all modes of a point timed in rounds (one replay each per round) "
-    "so that they share the machine's drift; first_replay_ms is the first replay after capture"
+    "samples after --warmup untimed replays, all modes of a point timed in rounds (one replay each per round, "
+    "in a random order per round) so that they share the machine's drift and clock states; first_replay_ms is the first replay after capture"
 )
 
 

@@ -10,6 +10,7 @@ host side, which is exactly what breakable graphs are about, so we do not use th
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -54,37 +55,37 @@ def sample_interleaved(
     iters: int,
     warmup: int = 0,
     on_error: Callable[[str, Exception], None] | None = None,
+    seed: int = 0,
 ) -> dict[str, list[float]]:
     """:func:`timed_ms` samples of several functions taken in rounds (ms per name).
 
-    Each round times every function once, starting one place later than the
-    round before, so all of them see the same drift of the machine (clocks
-    falling as the GPU heats up, a neighbour's load): their ratios stay fair
-    where back-to-back blocks of samples would favour whichever ran first. A
-    function that raises is passed to ``on_error`` (else the error propagates)
-    and dropped from later rounds; its samples so far are kept.
+    Each round times every function once, in a fresh random order (seeded).
+    A GPU's clocks follow its recent load: a replay right after a light one
+    (an eager, host-bound run) runs measurably faster than one right after a
+    heavy one -- we measured +-3 % at 50 ms replays on an H200. In rounds of
+    random order every function sees the same drift and the same mix of
+    predecessors, so their ratios stay fair, where back-to-back blocks of
+    samples (or a fixed order) favour some of them. A function that raises is
+    passed to ``on_error`` (else the error propagates) and dropped from later
+    rounds; its samples so far are kept.
     """
+    rng = random.Random(seed)
     active = dict(fns)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-
-    def call(name: str, measure: bool) -> None:
-        try:
-            if measure:
-                samples[name].append(timed_ms(active[name], sync))
-            else:
-                active[name]()
-        except Exception as exc:
-            if on_error is None:
-                raise
-            del active[name]
-            on_error(name, exc)
-
     for r in range(warmup + iters):
-        names = list(active)
-        k = r % len(names) if names else 0
-        for name in names[k:] + names[:k]:
-            if name in active:
-                call(name, measure=r >= warmup)
+        order = list(active)
+        rng.shuffle(order)
+        for name in order:
+            try:
+                if r >= warmup:
+                    samples[name].append(timed_ms(active[name], sync))
+                else:
+                    active[name]()
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                del active[name]
+                on_error(name, exc)
     sync()
     return samples
 
