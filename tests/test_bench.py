@@ -53,7 +53,7 @@ def test_defaults() -> None:
     assert args.attn == ["flash", "varlen", "loop"]
     assert args.requests == 4
     assert args.segments == 64 and args.micro_iters == 200
-    assert args.iters is None and args.warmup == 3 and args.out is None
+    assert args.iters is None and args.warmup == 2 and args.out is None
     assert llama.shape(args) == {
         "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "head_dim": 128,
     }
@@ -297,9 +297,10 @@ def test_compiling_call_times_the_compile_and_counts_its_graphs() -> None:
     assert seen == ["live-1", "live-2"]
 
 
-def test_sample_interleaved_takes_rounds_and_drops_a_failing_function() -> None:
-    """Samples are taken one call of each function per round, in a seeded random order per
-    round; a function that raises is reported once and not called again, the others go on."""
+def test_sample_interleaved_takes_rounds_of_blocks_and_drops_a_failing_function() -> None:
+    """Each round runs every function once as a block (warm-up calls, then timed calls), in a
+    seeded random order per round; a function that raises is reported once and not called
+    again, the others go on."""
     from bcg.bench.timing import sample_interleaved
 
     calls: list[str] = []
@@ -314,19 +315,21 @@ def test_sample_interleaved_takes_rounds_and_drops_a_failing_function() -> None:
         return run
 
     names = [f"f{i}" for i in range(6)]
-    samples = sample_interleaved({n: fn(n) for n in names}, lambda: None, iters=8, warmup=2)
-    rounds = [calls[i:i + 6] for i in range(0, len(calls), 6)]
-    assert len(rounds) == 10 and all(sorted(r) == names for r in rounds)  # each once per round
-    assert len({tuple(r) for r in rounds}) > 1  # not one fixed order
-    assert {r[0] for r in rounds} != {names[0]}
-    assert all(len(samples[n]) == 8 and all(x >= 0 for x in samples[n]) for n in names)
+    samples = sample_interleaved({n: fn(n) for n in names}, lambda: None, iters=12, warmup=1, block=3)
+    rounds = [calls[i:i + 24] for i in range(0, len(calls), 24)]  # 6 functions x (1 + 3) calls
+    assert len(rounds) == 4 and len(calls) == 96
+    blocks = [[r[i:i + 4] for i in range(0, 24, 4)] for r in rounds]
+    assert all(len(set(b)) == 1 for r in blocks for b in r)  # a block is one function's calls
+    orders = [tuple(b[0] for b in r) for r in blocks]
+    assert all(sorted(o) == names for o in orders) and len(set(orders)) > 1  # each once, not one fixed order
+    assert all(len(samples[n]) == 12 and all(x >= 0 for x in samples[n]) for n in names)
 
     calls.clear()
-    samples = sample_interleaved({"a": fn("a"), "b": fn("b", fail_at=3), "c": fn("c")}, lambda: None, iters=3,
-                                 warmup=1, on_error=lambda name, exc: errors.append((name, str(exc))))
-    assert errors == [("b", "b broke")] and calls.count("b") == 3  # its 3rd call raised: never called again
-    assert calls.count("a") == calls.count("c") == 4
-    assert len(samples["a"]) == len(samples["c"]) == 3 and len(samples["b"]) == 1
+    samples = sample_interleaved({"a": fn("a"), "b": fn("b", fail_at=6), "c": fn("c")}, lambda: None, iters=7,
+                                 warmup=1, block=4, on_error=lambda name, exc: errors.append((name, str(exc))))
+    assert errors == [("b", "b broke")] and calls.count("b") == 6  # raised in round 2: never called again
+    assert calls.count("a") == calls.count("c") == 9  # 2 rounds: 1 + 4, then 1 + 3
+    assert len(samples["a"]) == len(samples["c"]) == 7 and len(samples["b"]) == 4
     with pytest.raises(RuntimeError, match="b broke"):
         calls.clear()
         sample_interleaved({"b": fn("b", fail_at=1)}, lambda: None, iters=1)

@@ -1,10 +1,10 @@
 """``bcg-bench`` / ``python -m bcg.bench``: measure bcg against eager, one CUDA graph, and peers.
 
 For every workload point (e.g. llama, attn=flash, T=512), in one process on the
-same inputs: build (capture) every mode and time its first replay; then run
-``--warmup`` untimed and ``--iters`` timed replays of all modes in rounds (one
-replay of each mode per round, in a random order, see
-:func:`bcg.bench.timing.sample_interleaved`),
+same inputs: build (capture) every mode and time its first replay; then take
+``--iters`` timed replays of each mode in rounds: each round runs every mode
+once as a short block (``--warmup`` untimed then up to 5 timed replays), in a
+random order (see :func:`bcg.bench.timing.sample_interleaved`),
 each with a synchronized host wall clock; then, mode by mode, write fresh random
 inputs into the static input buffers, replay once more and compare with an eager
 reference on those inputs (``rel_err``). A point's modes are freed before the
@@ -41,8 +41,8 @@ GPU_ITERS, CPU_ITERS = 50, 5
 TIMING_NOTE = (
     "each sample: torch.cuda.synchronize(); t0=perf_counter(); replay(); torch.cuda.synchronize(); "
     "t1 -- host wall clock, so host launch/breakpoint work and GPU idle gaps count; median/min over --iters "
-    "samples after --warmup untimed replays, all modes of a point timed in rounds (one replay each per round, "
-    "in a random order per round) so that they share the machine's drift and clock states; first_replay_ms is the first replay after capture"
+    "samples, taken in rounds: each round runs every mode of the point as a block of --warmup untimed and "
+    "up to 5 timed replays, in a random order per round, so that all modes share the machine's drift; first_replay_ms is the first replay after capture"
 )
 
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated modes (default all: {','.join(MODES)})")
     p.add_argument("--iters", type=int, default=None,
                    help=f"timed replays per row (default {GPU_ITERS}; {CPU_ITERS} without CUDA)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed replays before timing (default 3)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed replays before each block of timed replays (default 2)")
     p.add_argument("--capture-warmup", type=int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and request lengths")

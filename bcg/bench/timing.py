@@ -55,32 +55,35 @@ def sample_interleaved(
     iters: int,
     warmup: int = 0,
     on_error: Callable[[str, Exception], None] | None = None,
+    block: int = 5,
     seed: int = 0,
 ) -> dict[str, list[float]]:
-    """:func:`timed_ms` samples of several functions taken in rounds (ms per name).
+    """``iters`` :func:`timed_ms` samples of each function, taken in rounds of short blocks (ms per name).
 
-    Each round times every function once, in a fresh random order (seeded).
-    A GPU's clocks follow its recent load: a replay right after a light one
-    (an eager, host-bound run) runs measurably faster than one right after a
-    heavy one -- we measured +-3 % at 50 ms replays on an H200. In rounds of
-    random order every function sees the same drift and the same mix of
-    predecessors, so their ratios stay fair, where back-to-back blocks of
-    samples (or a fixed order) favour some of them. A function that raises is
-    passed to ``on_error`` (else the error propagates) and dropped from later
-    rounds; its samples so far are kept.
+    Each round runs every function once as a block, in a fresh random order
+    (seeded): ``warmup`` untimed calls, then up to ``block`` timed calls. A
+    GPU's clocks follow its recent load (on an H200 a 50 ms replay ran 3 %
+    faster right after a host-bound run than right after another graph
+    replay), and a replay's host path runs faster warm: so each timed call
+    follows calls of the same function, as in a serving loop, and the rounds
+    spread the machine's drift over all functions alike, where long
+    back-to-back blocks favour whichever ran in the better period. A function
+    that raises is passed to ``on_error`` (else the error propagates) and
+    dropped from later rounds; its samples so far are kept.
     """
     rng = random.Random(seed)
     active = dict(fns)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(warmup + iters):
+    while active and any(len(samples[name]) < iters for name in active):
         order = list(active)
         rng.shuffle(order)
         for name in order:
+            fn = active[name]
             try:
-                if r >= warmup:
-                    samples[name].append(timed_ms(active[name], sync))
-                else:
-                    active[name]()
+                for _ in range(warmup):
+                    fn()
+                for _ in range(min(block, iters - len(samples[name]))):
+                    samples[name].append(timed_ms(fn, sync))
             except Exception as exc:
                 if on_error is None:
                     raise
