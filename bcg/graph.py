@@ -17,7 +17,9 @@ from bcg.errors import ReplayError
 from bcg.live import _UNSET, reset_live, set_live
 from bcg.memory import PoolHandle, PoolAnchor, pool_bytes
 from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.replay import Executor, make_executor
+from bcg.replay import Executor, make_executor, stream_readers
+
+_current_device, _ = stream_readers()
 
 log = logging.getLogger("bcg")
 
@@ -182,10 +184,10 @@ class BreakableGraph:
         if self._executor is None:
             if self._rerun is None:
                 raise ReplayError(self._not_captured_message())
-        elif torch.cuda.current_device() != self._device:
+        elif (device := _current_device()) != self._device:
             raise ReplayError(
                 f"this graph was captured on cuda:{self._device} but the current device is "
-                f"cuda:{torch.cuda.current_device()}: replay it under torch.cuda.device({self._device})"
+                f"cuda:{device}: replay it under torch.cuda.device({self._device})"
             )
         return self._replay_unchecked(live)
 
