@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import bcg
-from bcg.bench import cli, modes
+from bcg.bench import cli, modes, report
 from bcg.bench.timing import sample_ms
 from bcg.bench.workloads import llama
 
@@ -136,8 +136,7 @@ def main() -> None:
     model = llama.setup(args, device)
     case = llama.make_case(model, args, device, ns.attn, ns.tokens)
     layers = model.shape["layers"]
-    out: dict[str, Any] = {"T": ns.tokens, "attn": ns.attn, "layers": layers, "gpu": torch.cuda.get_device_name(),
-                           "torch": torch.__version__}
+    out: dict[str, Any] = {"T": ns.tokens, "attn": ns.attn, "layers": layers, **report.environment()}
     # one breakpoint's host cost, on the first layer's real q, k, v
     cos, sin, q, k, v, o = model.regions.first(*case.static_args, model.cos, model.sin,
                                                model.layers[0].attn_norm, model.layers[0].wqkv)
