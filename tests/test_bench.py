@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -333,3 +334,18 @@ def test_sample_interleaved_takes_rounds_of_blocks_and_drops_a_failing_function(
     with pytest.raises(RuntimeError, match="b broke"):
         calls.clear()
         sample_interleaved({"b": fn("b", fail_at=1)}, lambda: None, iters=1)
+
+
+def test_paired_ratio_cancels_drift_shared_by_a_round() -> None:
+    """Per round, block median over the reference's block median; the median of those."""
+    from bcg.bench.timing import paired_ratio
+
+    drift = [1.0, 1.3, 0.9, 1.6]  # the machine's speed per round, shared by both blocks of a round
+    ref = [10.0 * d for d in drift for _ in range(5)]
+    ours = [10.4 * d for d in drift for _ in range(5)]
+    ours[2] = 100.0  # one outlier in a block: moves the plain median, not the paired one
+    assert paired_ratio(ours, ref, block=5) == pytest.approx(1.04)
+    assert statistics.median(ours) / statistics.median(ref) > 1.1
+    assert paired_ratio(ref, ref, block=5) == 1.0
+    assert paired_ratio(ours[:7], ref, block=5) == pytest.approx(1.04)  # a shorter last block
+    assert paired_ratio([], ref) is None

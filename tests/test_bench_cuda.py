@@ -46,8 +46,10 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
         if row["mode"] in ("bcg", "bcg-python"):
             assert row["breakpoints"] == 2 and row["segments"] == 3
             assert row["pool_mib"] > 0 and row["capture_s"] > 0
+        assert len(row["samples_ms"]) == row["iters"] and isinstance(row["ratio_to_floor_paired"], float)
         if row["mode"] == "floor":
             assert row["ratio_to_floor"] == 1.0 and row["extra_us_per_break"] == 0.0
+            assert row["ratio_to_floor_paired"] == 1.0
             assert row["segments"] == 1 and row["pool_mib"] > 0
         if row["attn"] == "varlen":
             assert row["attn_backend"] == "varlen_attn"  # torch >= 2.10 has torch.nn.attention.varlen

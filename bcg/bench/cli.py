@@ -28,7 +28,7 @@ import bcg
 from bcg.bench import report
 from bcg.bench.case import Case
 from bcg.bench.modes import MODES, BuildContext, Built, NotApplicable, forward_of, skip_reason
-from bcg.bench.timing import rel_err, sample_interleaved, summarize, sync_fn, timed_ms
+from bcg.bench.timing import paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
 from bcg.bench.workloads import WORKLOADS
 
 NO_CUDA_MESSAGE = (
@@ -141,6 +141,7 @@ def _row(case: Case, mode: str, built: Built, first: float, samples: list[float]
         "extra_us_per_break": None,
         "rel_err": err,
         "ms_mean": stats["ms_mean"],
+        "samples_ms": samples,
         "iters": len(samples),
         "breaks": case.num_breaks,
         **case.fields,
@@ -206,12 +207,14 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
     floor = next((r for r in rows if r["mode"] == "floor"), None)
     floor_compile = next((r for r in rows if r["mode"] == "floor-compile"), None)
     for row in rows:
-        row["ratio_to_floor_compile"] = None
+        row["ratio_to_floor_compile"] = row["ratio_to_floor_paired"] = row["ratio_to_floor_compile_paired"] = None
         if floor is not None and floor["ms_median"] > 0:
             row["ratio_to_floor"] = row["ms_median"] / floor["ms_median"]
+            row["ratio_to_floor_paired"] = paired_ratio(row["samples_ms"], floor["samples_ms"])
             row["extra_us_per_break"] = (row["ms_median"] - floor["ms_median"]) * 1e3 / max(case.num_breaks, 1)
         if floor_compile is not None and floor_compile["ms_median"] > 0:
             row["ratio_to_floor_compile"] = row["ms_median"] / floor_compile["ms_median"]
+            row["ratio_to_floor_compile_paired"] = paired_ratio(row["samples_ms"], floor_compile["samples_ms"])
         if case.finish_row is not None:
             case.finish_row(row)
 

@@ -13,14 +13,6 @@ from typing import Any
 
 import torch
 
-# Keys every row carries (None where a value does not apply), in table order.
-ROW_KEYS = (
-    "workload", "attn", "mode", "T", "ms_median", "ms_min", "first_replay_ms", "ratio_to_floor",
-    "capture_s", "pool_mib", "extra_us_per_break", "rel_err", "ratio_to_floor_compile",
-)
-MICRO_KEYS = ("us_per_replay", "us_per_segment", "bp_eager_us", "us_per_segment_overhead")
-
-
 def commit() -> str:
     """``$BCG_COMMIT`` if set, else ``git rev-parse --short HEAD`` (+``-dirty``), else ``"unknown"``."""
     env = os.environ.get("BCG_COMMIT")
@@ -69,6 +61,7 @@ _LLAMA_COLS = (
     ("min ms", "ms_min", ".3f", 9), ("1st ms", "first_replay_ms", ".2f", 9), ("/floor", "ratio_to_floor", ".3f", 7),
     ("us/brk", "extra_us_per_break", ".1f", 8), ("capt s", "capture_s", ".2f", 7), ("pool MiB", "pool_mib", ".1f", 9),
     ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
+    ("/fl pair", "ratio_to_floor_paired", ".3f", 8), ("/fc pair", "ratio_to_floor_compile_paired", ".3f", 8),
     ("compile s", "compile_s", ".2f", 9),
 )
 _MICRO_COLS = (

@@ -49,13 +49,16 @@ def sample_ms(
     return samples
 
 
+BLOCK = 5  # timed calls of one function per round in sample_interleaved
+
+
 def sample_interleaved(
     fns: dict[str, Callable[[], Any]],
     sync: Callable[[], None],
     iters: int,
     warmup: int = 0,
     on_error: Callable[[str, Exception], None] | None = None,
-    block: int = 5,
+    block: int = BLOCK,
     seed: int = 0,
 ) -> dict[str, list[float]]:
     """``iters`` :func:`timed_ms` samples of each function, taken in rounds of short blocks (ms per name).
@@ -105,6 +108,19 @@ def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, syn
         fn(*args)
     sync()
     return {"compile_s": time.perf_counter() - t0, "graphs_compiled": dynamo_graphs() - graphs0}
+
+
+def paired_ratio(samples: list[float], reference: list[float], block: int = BLOCK) -> float | None:
+    """The median over rounds of ``samples``' block median / ``reference``'s block median in the
+    same round (both from one :func:`sample_interleaved` call). The two blocks of a round ran
+    within moments of each other, so the machine's drift cancels in each quotient; None when
+    there is no common round."""
+    rounds = min(len(samples), len(reference))
+    quotients = [
+        statistics.median(samples[i:i + block]) / statistics.median(reference[i:i + block])
+        for i in range(0, rounds, block)
+    ]
+    return statistics.median(quotients) if quotients else None
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
