@@ -2,13 +2,13 @@
 
 For every workload point (e.g. llama, attn=flash, T=512), in one process on the
 same inputs: build (capture) every mode and time its first replay; then take
-``--iters`` timed replays of each mode in rounds: each round runs every mode
-once as a short block (``--warmup`` untimed then up to 5 timed replays), in a
-random order (see :func:`bcg.bench.timing.sample_interleaved`),
-each with a synchronized host wall clock; then, mode by mode, write fresh random
-inputs into the static input buffers, replay once more and compare with an eager
-reference on those inputs (``rel_err``). A point's modes are freed before the
-next point is built.
+``--iters`` timed replays of each mode, each on a synchronized host wall clock,
+in rounds: each round runs every mode once as a short block (``--warmup``
+untimed, then up to 5 timed replays) in a random order (see
+:func:`bcg.bench.timing.sample_interleaved`); then, mode by mode, write fresh
+random inputs into the static input buffers, replay once more and compare with
+an eager reference on those inputs (``rel_err``). A point's modes are freed
+before the next point is built.
 """
 
 from __future__ import annotations
