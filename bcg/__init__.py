@@ -17,9 +17,12 @@ from bcg.errors import (
     BcgError,
     BreakpointOutputMismatch,
     CaptureError,
+    CaptureInvalidatedError,
     HostSyncInCaptureError,
+    LiveReadInSegmentError,
     NestedCaptureError,
     ReplayError,
+    StreamForkError,
 )
 from bcg.graph import BreakableGraph, GraphStats
 from bcg.live import live, live_scope
@@ -38,11 +41,14 @@ __all__ = [
     "BreakableGraph",
     "BreakpointOutputMismatch",
     "CaptureError",
+    "CaptureInvalidatedError",
     "GraphStats",
     "GuardError",
     "HostSyncInCaptureError",
+    "LiveReadInSegmentError",
     "NestedCaptureError",
     "ReplayError",
+    "StreamForkError",
     "VerificationError",
     "VerifyReport",
     "breakpoint",

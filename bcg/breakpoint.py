@@ -8,7 +8,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint_spec import BreakpointSpec, normalize_mutates
 from bcg.recorder import ACTIVE
 
 try:  # one C call, ~50 ns: is a Dynamo frame callback installed right now?
@@ -38,7 +38,7 @@ def breakpoint(
     enabled: bool | Callable[[], bool] = True,
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
-    mutates: tuple[str, ...] | None = None,
+    mutates: str | tuple[str, ...] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -49,7 +49,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     enabled: bool | Callable[[], bool] = True,
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
-    mutates: tuple[str, ...] | None = None,
+    mutates: str | tuple[str, ...] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -64,8 +64,13 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     * Non-tensor return values are frozen at capture; a replay returning a
       different value, structure, shape or dtype raises ``BreakpointOutputMismatch``.
     * Read per-replay host data with :func:`bcg.live`, never from closures.
-    * ``mutates`` names the arguments written in place (default: any tensor
-      argument may be); padding sanitizers run on exactly those.
+    * ``mutates`` names the parameters written in place (a name or a tuple of
+      names, checked against the signature: ``TypeError`` otherwise; default:
+      any tensor argument may be); padding sanitizers run on exactly those.
+    * A result that is one of its tensor arguments exactly (same storage,
+      offset, shape, strides, dtype) is taken as written in place and must be
+      that same argument at every replay; any other result, views of arguments
+      included, is copied into a bridge.
     * Inside ``torch.compile``d code a breakpoint is a Dynamo graph break: it is
       never traced and runs eagerly with Dynamo off.
     """
@@ -76,7 +81,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             name=name or getattr(f, "__qualname__", repr(f)),
             enabled=enabled,
             capture_stub=capture_stub,
-            mutates=tuple(mutates) if mutates is not None else None,
+            mutates=normalize_mutates(f, mutates),
         )
         active = ACTIVE.get
 

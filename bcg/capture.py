@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import time
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -24,15 +26,25 @@ from torch.utils import _pytree as pytree
 
 from bcg import cudart
 from bcg.breakpoint_spec import BreakpointSpec
-from bcg.bridge import BridgeSet, tensor_storages
+from bcg.bridge import BridgeSet
 from bcg.compiled import CompileWatch
-from bcg.debug import Guards, Poison, env_flag
-from bcg.errors import BcgError, CaptureError, add_note, HostSyncInCaptureError, NestedCaptureError
+from bcg.debug import Guards, Poison
+from bcg.env import env_flag
+from bcg.errors import (
+    BcgError,
+    CaptureError,
+    CaptureInvalidatedError,
+    HostSyncInCaptureError,
+    NestedCaptureError,
+    StreamForkError,
+    add_note,
+    user_line,
+)
 from bcg.live import _UNSET, reset_live, set_live
 from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle
 from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
 from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.recorder import ACTIVE
+from bcg.recorder import ACTIVE, Recorder, crossing_tensors
 
 if TYPE_CHECKING:
     from bcg.graph import BreakableGraph
@@ -40,16 +52,93 @@ if TYPE_CHECKING:
 log = logging.getLogger("bcg")
 
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
+
+# CUDA's texts for the ways a capture is invalidated (cudaGetErrorString), by cause.
 _HOST_SYNC_HINTS = (
+    "operation not permitted when stream is capturing",
+    "operation not permitted on an event last recorded in a capturing stream",
+    "cudaErrorStreamCaptureUnsupported",
+    "cudaErrorCapturedEvent",
     "stream is capturing",
-    "cudaErrorStreamCapture",
     "graph capture",
     "error during capture",
     "operation not permitted",
 )
+_UNCAPTURED_DEPENDENCY = ("dependency created on uncaptured work in another stream", "cudaErrorStreamCaptureIsolation")
+_LEGACY_STREAM = ("would make the legacy stream depend on a capturing blocking stream", "cudaErrorStreamCaptureImplicit")
+_EARLIER_ERROR = ("operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated")
 
 
-class CaptureSession:
+class _ProcessCaptureState:
+    """What every capture in this process shares, and why it is process-wide.
+
+    * ``lock``: captures are serialized per process. In ``"global"`` mode one
+      thread's capture is invalidated by any other thread's unsafe CUDA call
+      (the device synchronize that begins another capture, a ``cudaMalloc``),
+      and the capture stream below is shared. Reentrant, so that the runner
+      and ``make_graph`` hold it across warm-up and capture.
+    * one capture stream per device, reused as ``torch.cuda.graph`` reuses its
+      own: torch caches a cuBLAS workspace per (handle, stream) for the life of
+      the process, so a new stream per capture would leak one workspace each.
+    * Python's cycle collector, paused while any capture runs (reference
+      counted): collecting garbage that holds a CUDA graph destroys it, which
+      CUDA forbids while a stream captures.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._gc_lock = threading.Lock()
+        self._gc_depth = 0
+        self._gc_was_enabled = False
+
+    def stream(self, device: int) -> torch.cuda.Stream:
+        with self.lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            return stream
+
+    def pause_gc(self) -> None:
+        with self._gc_lock:
+            if self._gc_depth == 0:
+                self._gc_was_enabled = gc.isenabled()
+                gc.disable()
+            self._gc_depth += 1
+
+    def resume_gc(self) -> None:
+        """Undo one :meth:`pause_gc`; the last one collects the captures' young garbage now."""
+        with self._gc_lock:
+            self._gc_depth -= 1
+            if self._gc_depth or not self._gc_was_enabled:
+                return
+            gc.enable()
+        gc.collect(0)
+
+
+_PROCESS = _ProcessCaptureState()
+
+
+def capture_lock() -> threading.RLock:
+    """The per-process capture lock (reentrant): hold it to keep other threads' captures out."""
+    return _PROCESS.lock  # type: ignore[return-value]
+
+
+def capture_stream(device: int | None = None) -> torch.cuda.Stream:
+    """The capture stream bcg uses on ``device`` (default: the current one) when none is given."""
+    return _PROCESS.stream(torch.cuda.current_device() if device is None else device)
+
+
+@dataclass(frozen=True)
+class _Fork:
+    """Side-stream work a segment left unjoined, which bcg joined at the segment's end."""
+
+    segment: int
+    before: str  # what ended the segment: "breakpoint 'attn'", "bcg.graph_break()"
+    nodes: int
+
+
+class CaptureSession(Recorder):
     """The state of one capture in progress (the active recorder while it runs)."""
 
     def __init__(
@@ -62,6 +151,7 @@ class CaptureSession:
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         owns_pool: bool = True,
     ) -> None:
+        super().__init__()
         self.pool = pool
         self.owns_pool = owns_pool
         self.pool_ref = PoolAnchor(device, pool, stream)
@@ -73,12 +163,17 @@ class CaptureSession:
         self.capture_error_mode = capture_error_mode
         self.device = device
         self.plan: list[Step] = []
+        self.forks: list[_Fork] = []
         self._current: torch.cuda.CUDAGraph | None = None
         self._segment_index = 0
         self._breakpoint_index = 0
         self._generator = torch.cuda.default_generators[device]
 
-    # -- segments ---------------------------------------------------------------
+    @property
+    def segment_label(self) -> str:  # type: ignore[override]
+        return f"graph segment {self._segment_index}"
+
+    # -- segments ---------------------------------------------------------------------------
     def open_segment(self) -> None:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         try:
@@ -89,13 +184,14 @@ class CaptureSession:
             raise
         self._current = graph
 
-    def close_segment(self) -> None:
+    def close_segment(self, before: str = "the end of the capture") -> None:
         """End the open segment; keep it (instantiated, uploaded, run once) unless empty."""
         graph = self._current
         assert graph is not None
         joined = cudart.join_forked_work(self.stream_handle)
         if joined:
-            log.debug("segment %d: joined %d node(s) forked to side streams", self._segment_index, joined)
+            self.forks.append(_Fork(self._segment_index, before, joined))
+            log.debug("segment %d: joined %d node(s) forked to side streams before %s", self._segment_index, joined, before)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph.capture_end()
@@ -123,23 +219,18 @@ class CaptureSession:
         self.plan.append(step)
         log.debug("segment %d: %d nodes (%d kernels)", step.index, nodes, step.kernel_nodes)
 
-    # -- Recorder -----------------------------------------------------------------
-    def call_breakpoint(
-        self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if not spec.is_enabled():
-            return spec.fn(*args, **kwargs)
-        self.close_segment()
-        fn = spec.capture_stub or spec.fn
+    # -- Recorder -----------------------------------------------------------------------------
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.close_segment(f"breakpoint {spec.name!r}")
         try:
-            result = fn(*args, **kwargs)
+            result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
         except BaseException as exc:
             add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise
         with self.pool_ref.allocating():
-            bridges = BridgeSet(spec.name, result, tensor_storages(args, kwargs))
+            bridges = BridgeSet(spec.name, result, args, kwargs)
         caller_result = bridges.caller_result()
-        crossing = _unique(bridges.tensors() + spec.mutated_tensors(args, kwargs))
+        crossing = crossing_tensors(bridges.tensors(), spec, args, kwargs)
         held_args, held_kwargs = args, dict(kwargs)
         if self._membership is not None:
             bridges.hold_through(self._membership.release)
@@ -154,8 +245,8 @@ class CaptureSession:
             self._after_breakpoint(crossing)  # captured at the start of the next segment
         return caller_result
 
-    def graph_break(self) -> None:
-        self.close_segment()
+    def on_graph_break(self) -> None:
+        self.close_segment("bcg.graph_break()")
         self.open_segment()
 
     # -- failure ------------------------------------------------------------------
@@ -210,26 +301,42 @@ class CaptureSession:
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
     """Capture the CUDA work of a ``with`` block into a :class:`bcg.BreakableGraph`.
 
-    ``pool`` shares a private memory pool with other graphs (``graph.pool()`` or
-    :func:`bcg.graph_pool_handle`); ``stream`` and ``capture_error_mode`` work as
-    in ``torch.cuda.graph``; ``live`` is what :func:`bcg.live` returns during
-    capture. ``ownership`` says who keeps breakpoint arguments and bridges alive
-    (see :mod:`bcg.ownership`; ``"pool"`` lets graphs sharing a pool reuse each
-    other's memory). ``after_breakpoint(tensors)`` is called inside the segment
-    after each breakpoint with the tensors crossing it (bridges and mutated
-    arguments); its CUDA work is captured there. ``inputs`` names the static
-    inputs for guards; ``guards`` (default: env ``BCG_GUARDS``) checks before each
-    replay that they and every breakpoint argument keep their captured address
-    and layout; ``poison`` (default: env ``BCG_POISON``) fills the pool's free
-    memory with NaN before each replay (see :mod:`bcg.debug`). Constraints: warm the code up eagerly first (lazy init,
-    and torch.compile's compiling, must not happen inside a segment); code
-    between breakpoints must be capturable (no ``.item()``, no pageable host
-    copies, no data-dependent host control flow); do not drop the last
-    reference to a CUDA graph inside the capture (Python's cycle collector is
-    paused meanwhile, process-wide); graphs sharing a pool must not replay
-    concurrently, and a graph's outputs are only valid until another graph in
-    the same pool replays. Inductor's own CUDA graphs are off during the
-    capture (see :mod:`bcg.compiled`).
+    Arguments:
+        graph: the graph to fill (empty, or reset).
+        pool: a private memory pool to share with other graphs (``graph.pool()``
+            or :func:`bcg.graph_pool_handle`); default: a new one.
+        stream: the capture stream; default: bcg's capture stream of the device
+            (one per device and process, as ``torch.cuda.graph`` has its own).
+        capture_error_mode: as in ``torch.cuda.graph``.
+        live: what :func:`bcg.live` returns inside breakpoints during capture.
+        ownership: who keeps breakpoint arguments and bridges alive (see
+            :mod:`bcg.ownership`).
+        after_breakpoint: called inside the segment after each breakpoint with
+            the tensors crossing it (bridges and mutated arguments); its CUDA
+            work is captured there.
+        inputs: the static inputs, for guards.
+        guards: check before each replay that inputs and breakpoint arguments
+            keep their captured address and layout (default: env ``BCG_GUARDS``).
+        poison: fill the pool's free memory with NaN before each replay
+            (default: env ``BCG_POISON``; see :mod:`bcg.debug`).
+
+    Constraints:
+        * Warm the code up eagerly first: lazy initialization and torch.compile's
+          compiling must not happen inside a segment.
+        * Code between breakpoints must be capturable: no ``.item()``, no
+          pageable host copies, no data-dependent host control flow, no
+          ``bcg.live()`` (it raises; see :func:`bcg.live`).
+        * Work forked to a side stream must be joined back before the next
+          breakpoint; a fork that crosses a breakpoint is joined there by bcg,
+          and a later join raises :class:`bcg.StreamForkError`.
+        * Do not drop the last reference to a CUDA graph inside the capture.
+        * Graphs sharing a pool must not replay concurrently; a graph's outputs
+          are valid until another graph in the same pool replays.
+
+    .. warning::
+        Process-wide for the capture's duration: captures are serialized (a
+        second thread's capture waits), Python's cycle collector is paused, and
+        Inductor's own CUDA graphs are off (see :mod:`bcg.compiled`).
     """
 
     def __init__(
@@ -278,29 +385,29 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             raise CaptureError("this BreakableGraph already holds a capture: call graph.reset() first")
         cudart.runtime()  # fail early and clearly if cuda-python is missing
         device = torch.cuda.current_device()
-        pool = self._pool if self._pool is not None else graph_pool_handle()
-        stream = self._stream if self._stream is not None else torch.cuda.Stream(device)
+        stream = self._stream if self._stream is not None else capture_stream(device)
         if stream == torch.cuda.default_stream(device):
             raise CaptureError("bcg.capture cannot capture on the default stream: pass a torch.cuda.Stream()")
-        torch.cuda.synchronize(device)
-        self._ambient = torch.cuda.current_stream(device)
-        stream.wait_stream(self._ambient)
-        self._session = CaptureSession(
-            pool, stream, self._mode, device, self._ownership, self._after_breakpoint, owns_pool=self._pool is None
-        )
+        if not _PROCESS.lock.acquire(blocking=False):
+            log.debug("bcg.capture: waiting for another thread's capture to end")
+            _PROCESS.lock.acquire()
+        try:
+            torch.cuda.synchronize(device)
+            pool = self._pool if self._pool is not None else graph_pool_handle()
+            self._ambient = torch.cuda.current_stream(device)
+            stream.wait_stream(self._ambient)
+            self._session = CaptureSession(
+                pool, stream, self._mode, device, self._ownership, self._after_breakpoint, owns_pool=self._pool is None
+            )
+        except BaseException:
+            _PROCESS.lock.release()
+            raise
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
         self._live_token = set_live(self._live) if self._live is not _UNSET else None
         self._compile_watch = CompileWatch().__enter__()
-        # Python's cycle collector must not run inside the capture: collecting garbage that
-        # holds a CUDA graph (an abandoned capture's segments kept alive by a traceback, a
-        # dropped model's graphs) destroys it, which CUDA forbids while a stream captures,
-        # and the capture is invalidated at a point nobody can see. It is paused until the
-        # capture ends; the garbage made meanwhile (all still in the youngest generation)
-        # is collected right then, not at some later point of the caller's hot path.
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
+        _PROCESS.pause_gc()  # see _ProcessCaptureState
         self._t0 = time.perf_counter()
         try:
             self._session.open_segment()
@@ -324,18 +431,20 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             compiled = self._compile_watch.message()
             if compiled is not None:
                 log.warning("%s", compiled)
-            self._restore()
-            self._ambient.wait_stream(session.stream)
-            self.graph._install(
-                session.plan,
-                pool=session.pool,
-                device=session.device,
-                capture_s=capture_s,
-                pool_ref=session.pool_ref,
-                keepalive=session.empty_segments,
-                guards=self._build_guards(session) if self._guards else None,
-                poison=self._build_poison(session) if self._poison else None,
-            )
+            try:
+                self._ambient.wait_stream(session.stream)
+                self.graph._install(
+                    session.plan,
+                    pool=session.pool,
+                    device=session.device,
+                    capture_s=capture_s,
+                    pool_ref=session.pool_ref,
+                    keepalive=session.empty_segments,
+                    guards=self._build_guards(session) if self._guards else None,
+                    poison=self._build_poison(session) if self._poison else None,
+                )
+            finally:
+                self._restore()
             log.info(
                 "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
                 self.graph.num_segments, self.graph.num_breakpoints, capture_s,
@@ -372,31 +481,28 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         return Poison(session.pool, session.device, list(held.values()))
 
     def _restore(self) -> None:
-        if self._gc_was_enabled:
-            gc.enable()
-            gc.collect(0)
-        self._compile_watch.__exit__(None, None, None)
-        if self._live_token is not None:
-            reset_live(self._live_token)
-        ACTIVE.reset(self._active_token)
-        self._stream_ctx.__exit__(None, None, None)
+        """Undo ``__enter__``'s process-wide and context changes; release the capture lock last."""
+        try:
+            _PROCESS.resume_gc()
+            self._compile_watch.__exit__(None, None, None)
+            if self._live_token is not None:
+                reset_live(self._live_token)
+            ACTIVE.reset(self._active_token)
+            self._stream_ctx.__exit__(None, None, None)
+        finally:
+            _PROCESS.lock.release()
 
     def _abandon(self, session: CaptureSession, exc: BaseException) -> BaseException:
         """Abandon the capture after ``exc``; return the exception to raise (maybe translated)."""
         compiled = self._compile_watch.message()
+        status = cudart.capture_status(session.stream_handle)
+        translated = _diagnose(exc, session, status)
         self._fail(session, exc)
-        translated = self._translate(exc, session)
         if compiled is not None:
             add_note(translated, compiled)
         return translated
 
     def _fail(self, session: CaptureSession, exc: BaseException) -> None:
-        status = cudart.capture_status(session.stream_handle)
-        self._host_sync = not isinstance(exc, BcgError) and (
-            status == "invalidated"
-            or (session._current is not None and any(h in str(exc) for h in _HOST_SYNC_HINTS))
-        )
-        self._segment = session._segment_index
         try:
             session.abort()
             if not session.owns_pool:
@@ -404,27 +510,82 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 # whose count dropped to zero while tensors still live in it. The graph keeps
                 # the count until it is reset or captured again.
                 self.graph._hold_pool(session.pool_ref)
-        finally:
-            self._restore()
             try:
                 torch.cuda.synchronize(session.device)
             except RuntimeError:  # a sticky device error: the original exception says more
                 log.exception("bcg: device synchronize after an abandoned capture failed")
+        finally:
+            self._restore()
 
-    def _translate(self, exc: BaseException, session: CaptureSession) -> BaseException:
-        if not self._host_sync:
-            return exc
-        where = _user_frame(exc.__traceback__)
+
+_CLEAN = "The capture was abandoned; CUDA state is clean."
+
+
+def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseException:
+    """The error to raise for ``exc``, which ended a capture: CUDA's cause, told apart and explained."""
+    if isinstance(exc, BcgError) or session._current is None:
+        return exc  # bcg's own errors, and errors outside a segment (a breakpoint's), speak for themselves
+    text = str(exc)
+    where = user_line(traceback.extract_tb(exc.__traceback__))
+    at = f" at {where}" if where else ""
+    segment = f"graph segment {session._segment_index}"
+    if any(h in text for h in _UNCAPTURED_DEPENDENCY):
+        streams = _streams_in(exc.__traceback__, session.stream_handle)
+        named = f" (stream {', '.join(streams)})" if streams else ""
+        if session.forks:
+            fork = session.forks[-1]
+            cause = (
+                f"Segment {fork.segment} forked work to a side stream{named} and did not join it back "
+                f"before {fork.before}; bcg joined it there (so the side work finished before the "
+                "break, and its overlap was lost), and the side stream's later work is outside the "
+                "capture. A fork must not cross a breakpoint: join the side stream "
+                "(torch.cuda.current_stream().wait_stream(side)) before the breakpoint and fork again "
+                "after it, or move the overlapped work into the breakpoint."
+            )
+        else:
+            cause = (
+                f"The stream it waited on{named} ran that work outside the capture (before it began, "
+                "or during a breakpoint). Fork side streams from the capture stream inside the "
+                "segment (side.wait_stream(torch.cuda.current_stream())) before using them."
+            )
+        return StreamForkError(f"{segment} waited{at} on another stream's work from outside the capture: {exc}\n{cause} {_CLEAN}")
+    if any(h in text for h in _LEGACY_STREAM):
+        return CaptureInvalidatedError(
+            f"{segment} issued work{at} that involves the legacy default stream while capturing: {exc}\n"
+            "Run segment code on the current (capture) stream; create side streams with "
+            f"torch.cuda.Stream(), not the default stream. {_CLEAN}"
+        )
+    if any(h in text for h in _EARLIER_ERROR) or (status == "invalidated" and not any(h in text for h in _HOST_SYNC_HINTS)):
+        return CaptureInvalidatedError(
+            f"{segment} failed{at} because the capture had already been invalidated earlier: {exc}\n"
+            "The line above is where CUDA reported it, not necessarily the cause. Look for an "
+            "operation that needs the host in this segment (.item(), a pageable copy, "
+            "synchronize), or, in capture_error_mode='global', for another thread that ran an "
+            "unsafe CUDA call (cudaMalloc, a synchronize) during the capture. "
+            f"{_CLEAN}"
+        )
+    if status == "invalidated" or any(h in text for h in _HOST_SYNC_HINTS):
         return HostSyncInCaptureError(
-            f"an operation that needs the host ran inside graph segment {self._segment}"
-            f"{' at ' + where if where else ''}: {exc}\n"
+            f"an operation that needs the host ran inside {segment}{at}: {exc}\n"
             "Segments may only enqueue GPU work. Move host-synchronizing code (.item(), "
             ".tolist(), .cpu(), printing a tensor, copies from pageable host memory, "
             "data-dependent control flow) into a @bcg.breakpoint function, or read the "
-            "value from bcg.live(). If the segment holds no such code, it ran code for the "
-            "first time (lazy kernel loading, library handles): run it once eagerly before "
-            "capturing. The capture was abandoned; CUDA state is clean."
+            "value from bcg.live() inside one. If the segment holds no such code, it ran code for "
+            "the first time (lazy kernel loading, library handles): run it once eagerly before "
+            f"capturing. {_CLEAN}"
         )
+    return exc
+
+
+def _streams_in(tb: TracebackType | None, capture_handle: int) -> list[str]:
+    """The CUDA streams other than the capture stream that the failing frames were handling."""
+    found: dict[int, str] = {}
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            if isinstance(value, torch.cuda.Stream) and int(value.cuda_stream) != capture_handle:
+                found.setdefault(int(value.cuda_stream), f"{int(value.cuda_stream):#x} on {value.device}")
+        tb = tb.tb_next
+    return list(found.values())
 
 
 def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
@@ -440,27 +601,3 @@ def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
         repair.capture_begin()
         repair.capture_end()
     repair.reset()
-
-
-def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _user_frame(tb: TracebackType | None) -> str:
-    """``file:line: code`` of the innermost frame outside torch and bcg, if any."""
-    import os
-
-    import bcg
-
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(bcg.__file__))
-    found = ""
-    for frame in traceback.extract_tb(tb):
-        if not frame.filename.startswith(skip):
-            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return found

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from types import TracebackType
 from typing import Any
 
@@ -43,6 +44,40 @@ def dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class _InductorGraphsOff:
+    """Inductor's ``triton.cudagraph_capture_sizes`` set to ``()``, process-wide, reference counted.
+
+    The setting is process-wide, so overlapping captures (on several threads)
+    share one patch: the first turns it on, the last restores the user's value.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._patch: Any = None
+
+    def enter(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            config = sys.modules.get("torch._inductor.config")
+            if config is not None and getattr(config.triton, "cudagraph_capture_sizes", ()) != ():
+                self._patch = config.patch({CAPTURE_SIZES: ()})
+                self._patch.__enter__()
+                log.debug("bcg: Inductor's own CUDA graphs are off while bcg captures")
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._patch is not None:
+                self._patch.__exit__(None, None, None)
+                self._patch = None
+
+
+_GRAPHS_OFF = _InductorGraphsOff()
+
+
 class CompileWatch:
     """One capture's view of torch.compile: Inductor's CUDA graphs off, compiles counted.
 
@@ -51,25 +86,21 @@ class CompileWatch:
     """
 
     def __init__(self) -> None:
-        self._patch: Any = None
         self._start = 0
+        self._entered = False
 
     def __enter__(self) -> CompileWatch:
         self._start = dynamo_graphs()
-        config = sys.modules.get("torch._inductor.config")
-        if config is not None and hasattr(config.triton, "cudagraph_capture_sizes"):
-            if config.triton.cudagraph_capture_sizes != ():
-                self._patch = config.patch({CAPTURE_SIZES: ()})
-                self._patch.__enter__()
-                log.debug("bcg: Inductor's own CUDA graphs are off for this capture")
+        _GRAPHS_OFF.enter()
+        self._entered = True
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._patch is not None:
-            self._patch.__exit__(exc_type, exc, tb)
-            self._patch = None
+        if self._entered:
+            self._entered = False
+            _GRAPHS_OFF.exit()
 
     @property
     def compiled(self) -> int:

@@ -15,7 +15,6 @@ NaN in the outputs. Slow (it reads the allocator's segment map): debugging only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,16 +22,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.errors import ReplayError
-from bcg.memory import PoolHandle
+from bcg.memory import PoolHandle, blocks
 from bcg.ownership import non_owning_alias
 
 
 class GuardError(ReplayError):
     """A tensor the graph captured no longer has its captured address or layout."""
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
 @dataclass(frozen=True)
@@ -99,20 +94,13 @@ class Poison:
 
 def poison_free_pool_memory(pool: PoolHandle, device: int) -> int:
     """Fill every free block of ``pool`` with 0xFF bytes; return how many bytes."""
-    key = tuple(pool)
     poisoned = 0
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device") != device or tuple(seg.get("segment_pool_id", (0, 0))) != key:
-            continue
-        address = int(seg["address"])
-        for block in seg["blocks"]:
-            size = int(block["size"])
-            if block["state"] == "inactive" and size > 0:
-                storage = torch._C._construct_storage_from_data_pointer(address, torch.device("cuda", device), size)
-                torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (size,), (1,)).fill_(0xFF)
-                poisoned += size
-            address += size
+    for address, size, in_use in blocks(device, pool):
+        if not in_use and size > 0:
+            storage = torch._C._construct_storage_from_data_pointer(address, torch.device("cuda", device), size)
+            torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (size,), (1,)).fill_(0xFF)
+            poisoned += size
     return poisoned
 
 
-__all__ = ["GuardError", "Guards", "Poison", "env_flag", "non_owning_alias", "poison_free_pool_memory"]
+__all__ = ["GuardError", "Guards", "Poison", "non_owning_alias", "poison_free_pool_memory"]

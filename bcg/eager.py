@@ -1,8 +1,14 @@
-"""Eager recording: run the code as-is and record its segment/breakpoint structure.
+"""Eager mode: run the code as-is, record its segment/breakpoint structure, and hold every
+replay to the contracts graph mode enforces.
 
 Used by ``make_graph(..., mode="eager")`` (debugging, machines with no CUDA).
 Work between breakpoints is counted in ATen operations through a dispatch
-mode, so a region with no tensor work is not a segment, as in graph mode.
+mode, so a region with no tensor work is not a segment, as in graph mode. Each
+breakpoint call's output contract is recorded (a :class:`bcg.bridge.BridgeSet`
+that allocates nothing) and every replay is checked against it: the same
+breakpoints in the same order, the same output structure, shapes, dtypes,
+frozen values and in-place results, or :class:`bcg.BreakpointOutputMismatch`
+-- the debugging mode is at least as strict as graph mode.
 """
 
 from __future__ import annotations
@@ -11,10 +17,14 @@ import logging
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.breakpoint_spec import BreakpointSpec
+from bcg.bridge import BridgeSet
+from bcg.errors import BreakpointOutputMismatch, ReplayError
 from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.recorder import Recorder
 
 log = logging.getLogger("bcg")
 
@@ -33,10 +43,13 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class EagerRecorder:
-    """The active recorder of an eager-mode run: runs breakpoints plainly, records structure."""
+class EagerRecorder(Recorder):
+    """The active recorder of an eager-mode recording: runs breakpoints plainly, records structure."""
+
+    segment_label = "an eager-mode segment"
 
     def __init__(self) -> None:
+        super().__init__()
         self.plan: list[Step] = []
         self._counter = _OpCounter()
         self._segments = 0
@@ -59,34 +72,77 @@ class EagerRecorder:
             self._segments += 1
         self._counter.ops = 0
 
-    def call_breakpoint(
-        self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if not spec.is_enabled():
-            return spec.fn(*args, **kwargs)
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._close_region()
         self._counter.counting = False
         try:
-            result = spec.fn(*args, **kwargs)
+            result = self.run_breakpoint(spec.fn, args, kwargs)
         finally:
             self._counter.counting = True
-        self.plan.append(BreakpointStep(spec=spec, args=(), kwargs={}, index=self._breakpoints))
+        contract = BridgeSet(spec.name, result, args, kwargs, allocate=False)
+        self.plan.append(BreakpointStep(spec=spec, args=(), kwargs={}, bridges=contract, index=self._breakpoints))
         self._breakpoints += 1
         log.debug("breakpoint %r after segment %d (eager mode)", spec.name, self._segments - 1)
         return result
 
-    def graph_break(self) -> None:
+    def on_graph_break(self) -> None:
         self._close_region()
 
 
-def copy_outputs_into(dst: Any, src: Any) -> None:
-    """Copy a fresh eager result into the tensors of the first result (same structure)."""
-    from torch.utils import _pytree as pytree
+class EagerReplay(Recorder):
+    """The active recorder of an eager-mode replay: each breakpoint call is checked against
+    the recording's (same breakpoint at the same position, same output contract)."""
 
+    segment_label = "an eager-mode segment"
+
+    def __init__(self, plan: tuple[Step, ...]) -> None:
+        super().__init__()
+        self._steps = [s for s in plan if isinstance(s, BreakpointStep)]
+        self._next = 0
+
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        k = self._next
+        recorded = self._steps[k] if k < len(self._steps) else None
+        if recorded is None or recorded.spec is not spec:
+            expected = f"breakpoint {recorded.name!r}" if recorded is not None else "no more breakpoints"
+            raise BreakpointOutputMismatch(
+                f"eager replay called breakpoint {spec.name!r} as breakpoint call {k}, where the recording "
+                f"had {expected}: the control flow between breakpoints changed, which graph mode would "
+                "have frozen at capture. Make that control flow depend only on values fixed at capture, "
+                "or move it into a breakpoint"
+            )
+        self._next += 1
+        result = self.run_breakpoint(spec.fn, args, kwargs)
+        contract = recorded.bridges
+        if contract is not None and (result is not None or not contract.empty):
+            contract.check(result, args, kwargs)
+        return result
+
+    def finish(self) -> None:
+        """Raise if the replay called fewer breakpoints than the recording."""
+        if self._next != len(self._steps):
+            raise BreakpointOutputMismatch(
+                f"eager replay called {self._next} breakpoint(s) where the recording called "
+                f"{len(self._steps)} (next: {self._steps[self._next].name!r}): the control flow between "
+                "breakpoints changed, which graph mode would have frozen at capture"
+            )
+
+
+def copy_outputs_into(dst: Any, src: Any) -> None:
+    """Copy a fresh eager result into the tensors of the first result (same structure, shapes, dtypes)."""
     dst_leaves, dst_spec = pytree.tree_flatten(dst)
     src_leaves, src_spec = pytree.tree_flatten(src)
     if dst_spec != src_spec:
-        raise RuntimeError(f"eager replay returned {src_spec}, but the first run returned {dst_spec}")
-    for d, s in zip(dst_leaves, src_leaves):
+        raise ReplayError(
+            f"eager replay returned {src_spec}, but the recording returned {dst_spec}; graph mode "
+            "returns the captured outputs, so the function must return the same structure every time"
+        )
+    for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
         if isinstance(d, torch.Tensor):
+            if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
+                what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ReplayError(
+                    f"eager replay output {i} is {what} but was {tuple(d.shape)} {d.dtype} when recorded; "
+                    "graph mode's outputs have the captured shapes and dtypes"
+                )
             d.copy_(s)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import traceback
+from collections.abc import Iterable
+
 
 def add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)``, also on Python 3.10 (which lacks it)."""
@@ -12,6 +16,18 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
     except AttributeError:  # an exception type that refuses attributes: leave it as it is
         pass
+
+
+def user_line(frames: Iterable[traceback.FrameSummary]) -> str:
+    """``file:line: code`` of the innermost frame outside torch and bcg ("" if none)."""
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    found = ""
+    for frame in frames:
+        if not frame.filename.startswith(skip):
+            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return found
 
 
 class BcgError(RuntimeError):
@@ -26,8 +42,20 @@ class NestedCaptureError(CaptureError):
     """A capture was started while another capture is underway on this thread or stream."""
 
 
-class HostSyncInCaptureError(CaptureError):
+class CaptureInvalidatedError(CaptureError):
+    """CUDA invalidated the capture; the message names the cause bcg identified and what to do."""
+
+
+class HostSyncInCaptureError(CaptureInvalidatedError):
     """An operation that needs the host (``.item()``, a pageable copy, ...) ran inside a segment."""
+
+
+class StreamForkError(CaptureInvalidatedError):
+    """A segment waited on side-stream work from outside the capture: a fork crossed a breakpoint."""
+
+
+class LiveReadInSegmentError(CaptureError):
+    """``bcg.live()`` was read by code between breakpoints while that code was being captured."""
 
 
 class ReplayError(BcgError):

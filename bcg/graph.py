@@ -12,6 +12,7 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from bcg import cudart
+from bcg.capture import capture_lock
 from bcg.debug import Guards, Poison
 from bcg.errors import ReplayError
 from bcg.live import _UNSET, reset_live, set_live
@@ -66,6 +67,7 @@ class BreakableGraph:
         self._poison: Poison | None = None
         self._fn: Callable[..., Any] | None = None
         self._static_args: tuple[Any, ...] = ()
+        self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
         self.outputs: Any = None
 
     # -- filled by capture / make_graph ----------------------------------------------
@@ -199,6 +201,7 @@ class BreakableGraph:
             self._poison.apply()
         executor = self._executor
         token = set_live(live) if live is not _UNSET else None
+        self._replaying += 1
         try:
             if executor is not None:
                 if _profiler._is_profiler_enabled:
@@ -209,6 +212,7 @@ class BreakableGraph:
                 assert self._rerun is not None
                 self._rerun()
         finally:
+            self._replaying -= 1
             if token is not None:
                 reset_live(token)
         return self.outputs
@@ -231,7 +235,22 @@ class BreakableGraph:
 
         Tensors the captured code returned (``outputs``) stay valid only as long
         as you hold them; their pool memory is returned when you drop them.
+
+        Raises:
+            ReplayError: a replay of this graph is in progress (``reset()`` called
+                from one of its breakpoints, or from another thread while a
+                breakpoint runs); nothing is freed.
         """
+        with capture_lock():  # synchronizing and freeing would invalidate another thread's capture
+            if self._replaying:
+                raise ReplayError(
+                    "reset() was called while this graph is replaying (from one of its breakpoints, or "
+                    "from another thread during a replay): freeing its segments now would let the "
+                    "replay launch destroyed graphs. Reset it after the replay returns; nothing was freed"
+                )
+            self._release()
+
+    def _release(self) -> None:
         graph_mode = self._mode == "graph" and self._executor is not None
         if graph_mode and torch.cuda.is_available():
             torch.cuda.synchronize(self._device)  # no replay may still be reading what we free

@@ -8,21 +8,47 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import traceback
 from collections.abc import Iterator
 from typing import Any
+
+from bcg.errors import LiveReadInSegmentError, user_line
+from bcg.recorder import ACTIVE
 
 _UNSET: Any = object()
 _LIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_live", default=_UNSET)
 
 
-def live(default: Any = _UNSET) -> Any:
+def live(default: Any = _UNSET, *, static_ok: bool = False) -> Any:
     """Return this replay's live metadata.
 
     Inside a breakpoint this is what was passed to ``graph.replay(live=...)``;
     during capture it is what was passed to ``bcg.capture(..., live=...)``; in a
-    plain eager run it is what :func:`live_scope` set. Raises ``LookupError``
-    when none is set, unless ``default`` is given.
+    plain eager run it is what :func:`live_scope` set.
+
+    Arguments:
+        default: returned when no live metadata is set (otherwise ``LookupError``).
+        static_ok: allow a read from code between breakpoints while it is being
+            captured (or recorded in eager mode). Such code runs once, at capture:
+            whatever it derives from the value is frozen into the graph. Pass
+            ``True`` only for fields that never change for this graph.
+
+    .. warning::
+        Read per-replay values only inside ``@bcg.breakpoint`` functions. A read
+        from segment code during a capture raises :class:`bcg.LiveReadInSegmentError`
+        naming the line, unless ``static_ok=True``.
     """
+    if not static_ok:
+        recorder = ACTIVE.get()
+        if recorder is not None and recorder.in_segment:
+            where = user_line(traceback.extract_stack()[:-1])
+            raise LiveReadInSegmentError(
+                f"bcg.live() was read{' at ' + where if where else ''} by code between breakpoints "
+                f"while {recorder.segment_label} was being recorded: its value would be frozen into the "
+                "graph, and every replay would reuse the capture-time metadata. Move the code that "
+                "depends on it into a @bcg.breakpoint function (it runs at every replay), or, if it only "
+                "reads fields that never change for this graph, call bcg.live(static_ok=True)."
+            )
     value = _LIVE.get()
     if value is _UNSET:
         if default is not _UNSET:

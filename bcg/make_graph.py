@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from bcg.capture import capture
-from bcg.eager import EagerRecorder, copy_outputs_into
+from bcg.capture import capture, capture_lock, capture_stream
+from bcg.eager import EagerRecorder, EagerReplay, copy_outputs_into
 from bcg.graph import BreakableGraph
 from bcg.live import _UNSET, live_scope
 from bcg.memory import PoolHandle
@@ -71,7 +71,14 @@ def make_graph(
             ACTIVE.reset(token)
 
         def rerun() -> None:
-            copy_outputs_into(graph.outputs, fn(*static_args))
+            checker = EagerReplay(graph.plan)
+            token = ACTIVE.set(checker)
+            try:
+                result = fn(*static_args)
+            finally:
+                ACTIVE.reset(token)
+            checker.finish()
+            copy_outputs_into(graph.outputs, result)
 
         graph._install(recorder.plan, pool=None, device=None, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun)
         graph.outputs = outputs
@@ -82,23 +89,24 @@ def make_graph(
         )
         return graph
 
-    stream = stream if stream is not None else torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), live_ctx:
-        for _ in range(warmup):
-            fn(*static_args)
-    with capture(
-        graph,
-        pool=pool,
-        stream=stream,
-        capture_error_mode=capture_error_mode,
-        live=live,
-        ownership=ownership,  # type: ignore[arg-type]
-        inputs=static_args,
-        guards=guards,
-        poison=poison,
-    ):
-        outputs = fn(*static_args)
+    with capture_lock():  # the warm-up runs on the shared capture stream: no other capture meanwhile
+        stream = stream if stream is not None else capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), live_ctx:
+            for _ in range(warmup):
+                fn(*static_args)
+        with capture(
+            graph,
+            pool=pool,
+            stream=stream,
+            capture_error_mode=capture_error_mode,
+            live=live,
+            ownership=ownership,  # type: ignore[arg-type]
+            inputs=static_args,
+            guards=guards,
+            poison=poison,
+        ):
+            outputs = fn(*static_args)
     graph.outputs = outputs
     graph._fn, graph._static_args = fn, static_args
     return graph

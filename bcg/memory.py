@@ -17,19 +17,34 @@ def graph_pool_handle() -> PoolHandle:
     return torch.cuda.graph_pool_handle()
 
 
+def segments(device: int | None = None, pool: PoolHandle | None = None) -> list[dict[str, Any]]:
+    """The caching allocator's segments (``torch.cuda.memory_snapshot()``), on ``device`` and in ``pool`` if given."""
+    if not torch.cuda.is_available():
+        return []
+    key = tuple(pool) if pool is not None else None
+    return [
+        seg
+        for seg in torch.cuda.memory_snapshot()
+        if (device is None or seg.get("device") == device)
+        and (key is None or tuple(seg.get("segment_pool_id", (0, 0))) == key)
+    ]
+
+
+def blocks(device: int | None = None, pool: PoolHandle | None = None) -> Iterator[tuple[int, int, bool]]:
+    """``(address, size, in_use)`` of every block of :func:`segments` (``in_use``: allocated, or pending free)."""
+    for seg in segments(device, pool):
+        address = int(seg["address"])
+        for block in seg["blocks"]:
+            size = int(block["size"])
+            yield address, size, block["state"] != "inactive"
+            address += size
+
+
 def pool_bytes(pool: PoolHandle | None, device: int | None = None) -> int:
     """Bytes the caching allocator has reserved for ``pool`` on ``device``."""
-    if pool is None or not torch.cuda.is_available():
+    if pool is None:
         return 0
-    key = tuple(pool)
-    total = 0
-    segments: list[dict[str, Any]] = torch.cuda.memory_snapshot()
-    for seg in segments:
-        if device is not None and seg.get("device") != device:
-            continue
-        if tuple(seg.get("segment_pool_id", (0, 0))) == key:
-            total += int(seg["total_size"])
-    return total
+    return sum(int(seg["total_size"]) for seg in segments(device, pool))
 
 
 class PoolAnchor:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 
+from bcg.env import env_flag
+
 ENV_VAR = "BCG_NATIVE"
-_OFF_VALUES = ("0", "false", "no", "off")
 
 
 @functools.cache
@@ -49,8 +49,11 @@ def module() -> ModuleType:
 
 
 def enabled_by_env() -> bool:
-    """False when ``BCG_NATIVE`` is ``0`` (or ``false``/``no``/``off``): default to Python."""
-    return os.environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES
+    """False when ``BCG_NATIVE`` is off (``0``/``false``/``no``/``off``): default to Python.
+
+    Raises ``ValueError`` for a value that is not a flag (see :func:`bcg.env.env_flag`).
+    """
+    return env_flag(ENV_VAR, default=True)
 
 
 def driver_error() -> str | None:

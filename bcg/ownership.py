@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg.memory import PoolHandle
+from bcg.memory import PoolHandle, segments
 
 Ownership = Literal["graph", "pool"]
 OWNERSHIPS = ("graph", "pool")
@@ -51,8 +51,7 @@ class PoolMembership:
     def _refresh(self) -> None:
         self._ranges = [
             (int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
-            for seg in torch.cuda.memory_snapshot()
-            if seg.get("device") == self._device and tuple(seg.get("segment_pool_id", (0, 0))) == self._pool
+            for seg in segments(self._device, self._pool)
         ]
 
     def _in_ranges(self, ptr: int) -> bool:

@@ -27,12 +27,15 @@ How a call runs (``T`` = the inputs' size along their pad dim):
    cross each breakpoint, so garbage a breakpoint leaves in padded rows (say,
    attention that only writes the real rows of ``torch.empty`` memory) never
    reaches later layers. No host launch is spent on it. Which crossing tensors,
-   along which dims, is decided in each bucket's eager warm-up: tensors
-   allocated during the run (never weights, caches, static or by-reference
-   inputs, whatever their shapes), along the dims that equal the bucket size
-   and grow with it (a shape seen at another size). A breakpoint declaring no
-   ``mutates`` has all its tensor arguments sanitized after it; declare
-   ``mutates=(...)`` (``()`` for read-only arguments) to spare those kernels.
+   along which dims, is decided in each bucket's eager warm-up: every bridge
+   (a graph-owned copy of a returned tensor, always safe to zero), and every
+   other crossing tensor the caching allocator handed out during the run --
+   whoever allocated it: ATen, compiled code, an extension -- never weights,
+   caches, static or by-reference inputs, whatever their shapes; along the
+   dims that equal the bucket size and grow with it (a shape seen at another
+   size). A breakpoint declaring no ``mutates`` has all its tensor arguments
+   sanitized after it; declare ``mutates=(...)`` (``()`` for read-only
+   arguments) to spare those kernels.
 4. Replay with ``live``; every output tensor is returned narrowed to ``T``
    along the dims that grow with the bucket (found by comparing the output
    shapes of two bucket sizes at capture; other outputs are returned whole).
@@ -41,11 +44,16 @@ Lifetimes and threading:
 
 * Outputs are views of the graph's static output memory in the shared pool
   (no copy): valid until the next call of this runner, or of any runner that
-  shares its pool, or ``reset()``. Pass ``copy_outputs=True`` to get copies.
-  The ``T`` rows are the real result; nothing else should be read.
+  shares its pool, or ``reset()``. The ``T`` rows are the real result.
 * Calls are serialized by a lock shared by all runners that share a pool,
   and a call issued on another CUDA stream than the previous one first waits
   for it, since graphs sharing a pool must never replay concurrently.
+* Threads: with ``copy_outputs=None`` (default) outputs are views while every
+  call comes from one thread; once runners sharing the pool have been called
+  from a second thread, calls return copies, made under the lock, unless they
+  are made inside ``with runner.locked():``, which holds the lock (no other
+  thread's call can overwrite the views) until the block ends. ``True``:
+  always copies; ``False``: always views (the caller synchronizes threads).
 * Inference only: capture, replays and fallbacks run under ``torch.no_grad()``.
 
 A bucket whose capture raised is logged once (``logging.getLogger("bcg")``,
@@ -79,13 +87,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.breakpoint_spec import BreakpointSpec
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
-from bcg.bridge import same_value
-from bcg.capture import capture
+from bcg.bridge import argument_keys, in_place_position, same_value
+from bcg.capture import capture, capture_lock, capture_stream
 from bcg.errors import BcgError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.live import _UNSET, live_scope
-from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle, pool_bytes
-from bcg.recorder import ACTIVE
+from bcg.memory import PoolAnchor, PoolHandle, blocks, graph_pool_handle, pool_bytes
+from bcg.recorder import ACTIVE, Recorder, crossing_tensors, tensor_leaves
 from bcg.replay import stream_readers
 
 log = logging.getLogger("bcg")
@@ -104,11 +112,26 @@ _MAX_SUBSET_DIMS = 4  # dims equal to the bucket size considered jointly when ma
 
 
 class _PoolGuard:
-    """What every runner using one pool shares: the call lock and the stream of the last replay."""
+    """What every runner using one pool shares: the call lock, the stream of the last replay,
+    and who may read returned views (see "Threads" in the module documentation)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.last_stream: int | None = None  # raw cudaStream_t of the last replay
+        self.first_caller: int | None = None  # thread ident of the first call
+        self.shared = False  # called from more than one thread
+        self.reader: int | None = None  # the thread inside ``locked()``
+
+    def views_safe(self) -> bool:
+        """Whether this call (under the lock) may return views: one calling thread so far, or ``locked()``."""
+        me = threading.get_ident()
+        if self.first_caller is None:
+            self.first_caller = me
+        elif me != self.first_caller and not self.shared:
+            self.shared = True
+            log.info("bcg.GraphRunner: called from a second thread: outputs are copies from now on, "
+                     "except inside `with runner.locked():` (or pass copy_outputs=False/True)")
+        return not self.shared or self.reader == me
 
 
 _GUARDS: dict[tuple[int, ...], _PoolGuard] = {}
@@ -195,42 +218,44 @@ def _scaling_dims(shape: tuple[int, ...], n: int, other: tuple[int, ...], m: int
     return dims
 
 
-class _Recorder:
+class _Recorder(Recorder):
     """The active recorder of the runner's eager runs (warm-ups, probes, ``mode="eager"`` calls).
 
-    Breakpoints run as plain calls; then ``on_crossing(k, tensors)`` gets the
-    index of the breakpoint call and the tensors crossing it, computed as
-    :class:`bcg.capture` computes what it passes to ``after_breakpoint`` (the
-    returned tensors, then the mutated arguments, each object once), so the
-    ``k``-th list of an eager run lines up with the ``k``-th of a capture.
+    Breakpoints run as plain calls; then ``on_crossing(k, tensors, bridged)``
+    gets the index of the breakpoint call, the tensors crossing it (as
+    :class:`bcg.capture` passes them to ``after_breakpoint``: the ``k``-th list
+    of an eager run lines up with the ``k``-th of a capture), and for each
+    whether a capture gives it a bridge (a returned tensor that is not one of
+    the arguments exactly).
     """
 
-    def __init__(self, on_crossing: Callable[[int, list[torch.Tensor]], None]) -> None:
+    segment_label = "GraphRunner's eager run"
+
+    def __init__(self, on_crossing: Callable[[int, list[torch.Tensor], list[bool]], None]) -> None:
+        super().__init__()
         self._on_crossing = on_crossing
         self._calls = 0
 
-    def call_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not spec.is_enabled():
-            return spec.fn(*args, **kwargs)
-        result = spec.fn(*args, **kwargs)
-        crossing = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
-        crossing += spec.mutated_tensors(args, kwargs)
-        unique = list({id(t): t for t in crossing}.values())  # first occurrence of each object, in order
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = self.run_breakpoint(spec.fn, args, kwargs)
+        results = tensor_leaves(result)
+        keys = argument_keys(args, kwargs)
+        bridges = {id(t) for t in results if in_place_position(t, keys) is None}
+        crossing = crossing_tensors(results, spec, args, kwargs)
         k, self._calls = self._calls, self._calls + 1
-        self._on_crossing(k, unique)
+        self._on_crossing(k, crossing, [id(t) in bridges for t in crossing])
         return result
 
-    def graph_break(self) -> None:
-        pass
 
-
-class _FreshStorages(TorchDispatchMode):
-    """Records the storages that ops allocate while it is active.
+class _DispatchStorages(TorchDispatchMode):
+    """Storages that ops allocate while it is active (CPU runs, where there is no allocator to ask).
 
     An op's output is fresh when its storage is none of its inputs' (views,
     in-place and ``out=`` ops return their inputs' storages). Weights, caches
     and static buffers that existed before the run are never fresh, so they
-    are never sanitized, whatever their shapes.
+    are never sanitized, whatever their shapes. Code a dispatch mode does not
+    see (compiled code, extensions) goes unseen: CUDA runs use
+    :class:`_AllocatorStorages` instead.
     """
 
     def __init__(self) -> None:
@@ -239,24 +264,46 @@ class _FreshStorages(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Let torch.compile'd regions compile (and so warm up) under this mode, as they will
-        # run at capture; tensors their compiled code allocates may go unseen (not sanitized).
+        # Let torch.compile'd regions compile (and so warm up) under this mode, as they will run.
         return True
+
+    def is_fresh(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.storages
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not getattr(func, "is_view", False):
-            inputs = {
-                x.untyped_storage().data_ptr()
-                for x in pytree.tree_leaves((args, kwargs))
-                if isinstance(x, torch.Tensor)
-            }
-            for x in pytree.tree_leaves(out):
-                if isinstance(x, torch.Tensor):
-                    ptr = x.untyped_storage().data_ptr()
-                    if ptr and ptr not in inputs:
-                        self.storages.add(ptr)
+            inputs = {x.untyped_storage().data_ptr() for x in tensor_leaves((args, kwargs))}
+            for x in tensor_leaves(out):
+                ptr = x.untyped_storage().data_ptr()
+                if ptr and ptr not in inputs:
+                    self.storages.add(ptr)
         return out
+
+
+class _AllocatorStorages:
+    """Fresh storages judged by the CUDA caching allocator: those not in use when the run began.
+
+    Covers every allocation the allocator serves (ATen, compiled code,
+    extensions that allocate through torch) with no hook in the run. A block
+    freed during the run and handed out again counts as not fresh (left
+    unsanitized, never wrongly zeroed): only tensors that existed before the
+    run and were dropped during it can do that.
+    """
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self._before: set[int] = set()
+
+    def __enter__(self) -> _AllocatorStorages:
+        self._before = {address for address, _, in_use in blocks(self._device) if in_use}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def is_fresh(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() not in self._before
 
 
 @dataclass(frozen=True)
@@ -306,8 +353,9 @@ class GraphRunner:
     which dims grow with the size, and metadata for another size would make
     attention read out of bounds.
     ``max_padding_ratio``: run eagerly when ``(bucket - T) / bucket`` exceeds
-    it (default ``None``: never). ``copy_outputs``: return copies instead of
-    views valid until the next call. ``sanitize``: zero padded rows of inputs
+    it (default ``None``: never). ``copy_outputs``: ``True`` returns copies,
+    ``False`` views valid until the next call, ``None`` (default) views while
+    one thread calls and copies once several do (see :meth:`locked`). ``sanitize``: zero padded rows of inputs
     and of tensors crossing breakpoints inside the graph (default ``True``;
     ``False`` zeroes only the inputs' tails, with host launches). ``pool`` /
     ``stream``: share a pool (and capture stream) with another runner
@@ -328,7 +376,7 @@ class GraphRunner:
         mode: str = "graph",
         capture_live: Any = _UNSET,
         max_padding_ratio: float | None = None,
-        copy_outputs: bool = False,
+        copy_outputs: bool | None = None,
         sanitize: bool = True,
         pool: PoolHandle | None = None,
         stream: torch.cuda.Stream | None = None,
@@ -369,7 +417,7 @@ class GraphRunner:
         self._mode = mode
         self._capture_live = capture_live
         self._max_padding_ratio = max_padding_ratio
-        self._copy_outputs = bool(copy_outputs)
+        self._copy_outputs = copy_outputs if copy_outputs is None else bool(copy_outputs)
         self._sanitize = bool(sanitize)
         self._capture_error_mode = capture_error_mode
         self._progress = progress
@@ -415,6 +463,11 @@ class GraphRunner:
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self._device) if self._mode == "graph" else contextlib.nullcontext()
+
+    def _capturing(self) -> contextlib.AbstractContextManager[Any]:
+        """Graph mode: the process's capture lock, held across warm-ups and captures, which share
+        the capture stream (another thread's capture must not record the warm-ups)."""
+        return capture_lock() if self._mode == "graph" else contextlib.nullcontext()
 
     def _clear_state(self) -> None:
         self._buckets = {b: _Bucket(b) for b in self._buckets_list}
@@ -469,7 +522,7 @@ class GraphRunner:
                 self._pool = graph_pool_handle()
                 self._guard = _guard_for(self._pool, self._guard)
             if self._stream is None:
-                self._stream = torch.cuda.Stream(dev)
+                self._stream = capture_stream(self._device.index or 0)
             if self._pool_anchor is None:  # the pool outlives any one bucket's graph, failed ones too
                 self._pool_anchor = PoolAnchor(self._device.index or 0, self._pool, self._stream)
 
@@ -539,22 +592,20 @@ class GraphRunner:
         return frozenset(known)
 
     def _classify(
-        self, t: torch.Tensor, n: int, known: frozenset[_Pattern], record: set[_Pattern], fresh: set[int]
+        self, t: torch.Tensor, n: int, known: frozenset[_Pattern], record: set[_Pattern], eligible: bool
     ) -> tuple[int, ...]:
         """The dims along which a tensor crossing a breakpoint at size ``n`` is zeroed past ``T``.
 
-        Only tensors allocated during the run (``fresh``), on the runner's
-        device, that are not parameters, static inputs or by-reference inputs
-        qualify; their fresh shapes are recorded in ``record``. The dims are
-        the smallest set of dims equal to ``n`` whose pattern (the shape with
-        those dims as -1, and the dtype) was seen at another size: dims that
-        grow with the bucket. So a ``[heads, T, dim]`` tensor at a bucket equal
-        to ``heads`` is zeroed along T only, and fixed-shape tensors never.
+        Only ``eligible`` tensors qualify (bridges of a capture, or tensors
+        allocated during the run that are not parameters, static inputs or
+        by-reference inputs: see :meth:`_run_recorded`), on the runner's
+        device; their shapes are recorded in ``record``. The dims are the
+        smallest set of dims equal to ``n`` whose pattern (the shape with those
+        dims as -1, and the dtype) was seen at another size: dims that grow
+        with the bucket. So a ``[heads, T, dim]`` tensor at a bucket equal to
+        ``heads`` is zeroed along T only, and fixed-shape tensors never.
         """
-        if t.device != self._device or t.dim() == 0:
-            return ()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in fresh or ptr in self._static_ptrs or isinstance(t, torch.nn.Parameter):
+        if not eligible or t.device != self._device or t.dim() == 0:
             return ()
         shape = tuple(t.shape)
         eq = [d for d, size in enumerate(shape) if size == n]
@@ -606,18 +657,37 @@ class GraphRunner:
             ACTIVE.reset(token)
 
     def _run_recorded(self, n: int) -> Any:
-        """A warm-up (or probe) run at size ``n`` on example data: records the sanitizing plan and shapes."""
+        """A warm-up (or probe) run at size ``n`` on example data: records the sanitizing plan and shapes.
+
+        A crossing tensor is eligible for sanitizing when a capture gives it a
+        bridge (graph mode: a graph-owned copy, always safe to zero), or when
+        it was allocated during this run (judged by the CUDA caching
+        allocator; on a CPU, by watching dispatch) and is no parameter, static
+        or by-reference input.
+        """
         views = self._views(n)
         self._load_example(n, views)
         record: set[_Pattern] = set()
         known = self._known_patterns(n)
         plan: _Plan = []
-        fresh = _FreshStorages()
+        fresh: _DispatchStorages | _AllocatorStorages = (
+            _AllocatorStorages(self._device.index or 0) if self._device.type == "cuda" else _DispatchStorages()
+        )
+        bridges_are_copies = self._mode == "graph"
 
-        def on_crossing(k: int, tensors: list[torch.Tensor]) -> None:
+        def eligible(t: torch.Tensor, bridged: bool) -> bool:
+            if bridged and bridges_are_copies:
+                return True
+            return (
+                fresh.is_fresh(t)
+                and t.untyped_storage().data_ptr() not in self._static_ptrs
+                and not isinstance(t, torch.nn.Parameter)
+            )
+
+        def on_crossing(k: int, tensors: list[torch.Tensor], bridged: list[bool]) -> None:
             plan.append([
-                _Decision(tuple(t.shape), t.dtype, self._classify(t, n, known, record, fresh.storages))
-                for t in tensors
+                _Decision(tuple(t.shape), t.dtype, self._classify(t, n, known, record, eligible(t, b)))
+                for t, b in zip(tensors, bridged)
             ])
 
         live = self._live_for(n)
@@ -647,7 +717,7 @@ class GraphRunner:
         skipped (see the module documentation). In eager mode each bucket is
         run once instead. Returns the runner.
         """
-        with self._guard.lock, self._on_device():
+        with self._guard.lock, self._capturing(), self._on_device():
             if self._captured:
                 raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
             self._setup()
@@ -767,7 +837,7 @@ class GraphRunner:
         if self._mode != "graph":
             self._largest_alone = 0
             return 0
-        with self._guard.lock, self._on_device():
+        with self._guard.lock, self._capturing(), self._on_device():
             self._setup()
             n = self._buckets_list[-1]
             if not self._patterns:
@@ -831,7 +901,7 @@ class GraphRunner:
         """Run ``forward(*inputs)`` through the graph of the smallest bucket ``>= T``; outputs sliced to ``T``.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints. Outputs are
-        views valid until the next call (``copy_outputs=True``: copies).
+        views valid until the next call, or copies (see ``copy_outputs`` and :meth:`locked`).
         """
         with self._guard.lock:
             if not self._captured:
@@ -867,7 +937,7 @@ class GraphRunner:
                 leaves = bucket.leaves
             else:
                 hook = self._plan_hook(n, self._plans.get(n))
-                recorder = _Recorder((lambda k, ts: hook(ts)) if hook is not None else (lambda k, ts: None))
+                recorder = _Recorder((lambda k, ts, br: hook(ts)) if hook is not None else (lambda k, ts, br: None))
                 leaves, _ = pytree.tree_flatten(self._run_eager(n, views, live, recorder))
                 bucket.leaves = leaves
             bucket.replays += 1
@@ -876,7 +946,31 @@ class GraphRunner:
             self._real_rows += T
             self._padded_rows += n
             assert leaves is not None
-            return self._slice(bucket, leaves, T)
+            copy = self._copy_outputs
+            if copy is None:
+                copy = not self._guard.views_safe()
+            return self._slice(bucket, leaves, T, copy)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[GraphRunner]:
+        """Hold the call lock (shared by runners sharing the pool) for the whole block.
+
+        Calls made inside the block return views even when several threads use
+        the runner (``copy_outputs=None``): no other thread's call can
+        overwrite them before the block ends. Read or copy what you need inside::
+
+            with runner.locked():
+                y = runner(x, live=meta)
+                logits = head(y)          # reads the view while no other call can run
+        """
+        guard = self._guard
+        with guard.lock:
+            me = threading.get_ident()
+            previous, guard.reader = guard.reader, me
+            try:
+                yield self
+            finally:
+                guard.reader = previous
 
     def _serialize_streams(self, device: int) -> None:
         """Order this replay after the previous one of any runner sharing the pool, if on another stream."""
@@ -886,8 +980,7 @@ class GraphRunner:
             torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
         self._guard.last_stream = current
 
-    def _slice(self, bucket: _Bucket, leaves: list[Any], T: int) -> Any:
-        copy = self._copy_outputs
+    def _slice(self, bucket: _Bucket, leaves: list[Any], T: int, copy: bool) -> Any:
         if bucket.single:
             t = leaves[0]
             for d in bucket.slice_dims[0]:

@@ -23,7 +23,7 @@ from bcg.graph import BreakableGraph
 from bcg.live import live_scope
 from bcg.make_graph import make_graph
 from bcg.plan import BreakpointStep, SegmentStep
-from bcg.recorder import ACTIVE
+from bcg.recorder import ACTIVE, Recorder
 
 log = logging.getLogger("bcg")
 
@@ -51,23 +51,21 @@ class _Tap:
     outputs: list[torch.Tensor] = field(default_factory=list)
 
 
-class _EagerTapRecorder:
+class _EagerTapRecorder(Recorder):
     """Active recorder for the eager reference run: runs breakpoints, records their taps."""
 
+    segment_label = "the eager reference run of bcg.verify"
+
     def __init__(self) -> None:
+        super().__init__()
         self.taps: list[_Tap] = []
 
-    def call_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not spec.is_enabled():
-            return spec.fn(*args, **kwargs)
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tap = _Tap(spec.name, _read_tensors(spec, args, kwargs))
-        result = spec.fn(*args, **kwargs)
+        result = self.run_breakpoint(spec.fn, args, kwargs)
         tap.outputs = _written_tensors(spec, result, args, kwargs)
         self.taps.append(tap)
         return result
-
-    def graph_break(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@
  *     or `always` is true (bcg refreshes a breakpoint's bridges this way).
  *
  * Plan(steps) converts the tuple to a C array once; Plan.replay(stream, device)
- * walks it. The GIL stays held throughout: callables need it and a launch takes
- * microseconds.
+ * walks it. The GIL is released around each run of consecutive launches (a
+ * launch blocks while the launch queue is full; torch's replay() releases it
+ * too) and held for callables.
  *
  * Nothing here links against CUDA or PyTorch: the driver (libcuda.so.1) is
  * opened with dlopen at the first replay that launches a graph, and the few
@@ -461,7 +462,19 @@ Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t i;
     for (i = 0; i < n; i++, e++) {
         if (e->fn == NULL) {
-            CUresult r = launch(e->exec, stream);
+            /* A run of consecutive launches, with the GIL released (as torch's replay() does):
+             * a launch blocks while the launch queue is full, and other Python threads must
+             * run meanwhile. The entries are immutable and the plan holds a reference. */
+            CUresult r = BCG_CUDA_SUCCESS;
+            Py_BEGIN_ALLOW_THREADS
+            for (;;) {
+                r = launch(e->exec, stream);
+                if (r != BCG_CUDA_SUCCESS || i + 1 == n || e[1].fn != NULL)
+                    break;
+                i++;
+                e++;
+            }
+            Py_END_ALLOW_THREADS
             if (r != BCG_CUDA_SUCCESS) {
                 self->failed = i;
                 raise_cuda_error("cuGraphLaunch", i, r);

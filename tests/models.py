@@ -56,8 +56,10 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 def attention_into_unmarked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
     """The same attention, *not* marked as a breakpoint, and capturable (a per-request SDPA
-    loop with Python slicing): captured, it silently replays the capture-time lengths."""
-    lengths = bcg.live()["lengths"]
+    loop with Python slicing): captured, it silently replays the capture-time lengths. A plain
+    ``bcg.live()`` here makes the capture raise; this one claims, wrongly, that the lengths are
+    static (``static_ok=True``), which only ``bcg.verify`` can catch."""
+    lengths = bcg.live(static_ok=True)["lengths"]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     start = 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bcg
-from bcg.bridge import BridgeSet, tensor_storages
+from bcg.bridge import BridgeSet
 from bcg.ownership import non_owning_alias
 
 from .models import TinyLlama, positions_for, random_lengths
@@ -230,7 +230,7 @@ def test_eager_breakpoint_error_propagates_from_replay() -> None:
 def test_bridges_own_copies_and_refresh_in_place() -> None:
     a = torch.randn(4)
     result = (a * 2, {"n": 3, "t": a + 1})
-    bridges = BridgeSet("bp", result, tensor_storages((a,), {}))
+    bridges = BridgeSet("bp", result, (a,), {})
     caller = bridges.caller_result()
     assert torch.equal(caller[0], result[0]) and caller[0].data_ptr() != result[0].data_ptr()
     assert caller[1]["n"] == 3
@@ -242,9 +242,23 @@ def test_bridges_own_copies_and_refresh_in_place() -> None:
 
 def test_bridge_of_an_in_place_result_is_the_argument_itself() -> None:
     out = torch.randn(6)
-    bridges = BridgeSet("bp", out[:3], tensor_storages((out,), {}))
-    assert bridges.caller_result().data_ptr() == out.data_ptr()
-    assert bridges.nbytes == 0
+    bridges = BridgeSet("bp", out, (out,), {})
+    assert bridges.caller_result() is out
+    assert bridges.nbytes == 0 and bridges.bridged() == [False]
+    bridges.refresh(out)  # the same argument again: nothing to copy
+
+
+def test_a_returned_view_of_an_argument_gets_a_bridge() -> None:
+    """Only the very same view counts as written in place; another view of an argument is
+    copied into a bridge, so a replay never writes into the argument."""
+    out = torch.randn(6)
+    original = out.clone()
+    bridges = BridgeSet("bp", out[:3], (out,), {})
+    bridge = bridges.caller_result()
+    assert bridge.data_ptr() != out.data_ptr() and bridges.nbytes == 3 * 4
+    assert bridges.bridged() == [True]
+    bridges.refresh(out[3:])  # another window of the argument at replay
+    assert torch.equal(bridge, original[3:]) and torch.equal(out, original)
 
 
 @pytest.mark.parametrize(
@@ -255,13 +269,13 @@ def test_bridge_of_an_in_place_result_is_the_argument_itself() -> None:
     ],
 )
 def test_bridge_rejects_other_shape_or_dtype(fresh: torch.Tensor, match: str) -> None:
-    bridges = BridgeSet("bp", torch.randn(4), set())
+    bridges = BridgeSet("bp", torch.randn(4), (), {})
     with pytest.raises(bcg.BreakpointOutputMismatch, match=match):
         bridges.refresh(fresh)
 
 
 def test_bridge_rejects_other_structure_and_changed_frozen_values() -> None:
-    bridges = BridgeSet("bp", (torch.randn(2), 5), set())
+    bridges = BridgeSet("bp", (torch.randn(2), 5), (), {})
     with pytest.raises(bcg.BreakpointOutputMismatch, match="same structure"):
         bridges.refresh([torch.randn(2), 5])
     with pytest.raises(bcg.BreakpointOutputMismatch, match="frozen at capture"):

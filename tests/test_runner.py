@@ -427,11 +427,15 @@ def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.Log
     capturing = {"on": False}
     calls: list[int] = []
 
+    @bcg.breakpoint
+    def scale(h: torch.Tensor) -> torch.Tensor:
+        return h * bcg.live(1.0)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         if capturing["on"] and x.shape[0] == 16:
             raise RuntimeError("this size cannot be captured")
-        return F.relu(x) * bcg.live(1.0)
+        return scale(F.relu(x))
 
     runner = _runner(forward, [4, 16, 32], (torch.randn(2, 3),), max_padding_ratio=0.5, capture_live=1.0)
     capturing["on"] = True
