@@ -1,39 +1,30 @@
-# `make test` and `make bench` do all set-up on a fresh machine.
-# With an importable torch (the GPU box, no registry) the venv sees that
-# interpreter's packages (also when it is itself a venv, through a .pth file) and
-# bcg is installed without dependencies; otherwise the CPU wheel of
-# torch==2.13.0 and the test dependencies are installed from the registry.
+# `make test` and `make bench` do all set-up on a fresh machine (tools/venv.sh says how).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bcg-installed
+BENCH_STAMP := $(VENV)/.bcg-bench
 
 .PHONY: test test-cuda bench clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c)
-	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
-		echo "make: torch found in $(PYTHON): reusing its packages"; \
-		$(PYTHON) -m venv --system-site-packages $(VENV) && \
-		$(PYTHON) -c "import site; print(chr(10).join(site.getsitepackages()))" \
-			> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/bcg-parent-site.pth" && \
-		$(PY) -c "import torch" && \
-		$(PY) -m pip install -q --no-deps --no-build-isolation -e . ; \
-	else \
-		$(PYTHON) -m venv $(VENV) && \
-		$(PY) -m pip install -q --upgrade pip setuptools wheel && \
-		$(PY) -m pip install -q torch==2.13.0 && \
-		$(PY) -m pip install -q pytest tqdm matplotlib numpy && \
-		$(PY) -m pip install -q --no-build-isolation -e . ; \
-	fi
+$(STAMP): pyproject.toml setup.py tools/venv.sh $(wildcard csrc/*.c)
+	PYTHON=$(PYTHON) VENV=$(VENV) sh tools/venv.sh
 	@touch $(STAMP)
+
+# The bench extra (matplotlib for the PNG), when the venv does not see it already.
+$(BENCH_STAMP): $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation -e ".[bench]"
+	@touch $(BENCH_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Only the GPU tests; fails, with the reason, where no GPU is usable (instead of skipping them all).
 test-cuda: $(STAMP)
+	@$(PY) -c "import sys; from tests.conftest import cuda_problem; p = cuda_problem(); sys.exit(p and 'make test-cuda: no usable GPU: ' + p)"
 	$(PY) -m pytest -q -m cuda
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(PY) -m bcg.bench --out benchmarks/results/run $(BENCH_ARGS)
 
 clean:

@@ -22,8 +22,9 @@ def runtime() -> ModuleType:
         from cuda.bindings import runtime as rt
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise CaptureError(
-            "bcg needs cuda-python for graph capture: pip install 'cuda-bindings' "
-            "(or install bcg with the [cuda] extra)"
+            "bcg needs cuda-bindings for graph capture: pip install 'cuda-bindings==<CUDA major>.*' "
+            "(the major version of torch.version.cuda), or install bcg with its [cuda] extra: "
+            "pip install -e '.[cuda]' in a checkout, or pip install 'breakpoint-cuda-graphs[cuda]'"
         ) from exc
     return rt
 
