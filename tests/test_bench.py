@@ -196,12 +196,111 @@ def test_cpu_run_writes_json_and_png(no_cuda: None, tmp_path: Path, capsys: pyte
     }
 
 
-def test_cpu_run_skips_graph_modes(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["--modes", "floor,bcg,eager", "--tokens", "8", "--attn", "loop", "--iters", "1", "--no-progress"])
+def test_cpu_named_modes_that_cannot_run_are_refused(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Modes named by hand that cannot run here: all named with their reasons, exit 2, nothing run."""
+    for argv in (["--modes", "floor,bcg"], ["--modes", "floor,bcg,eager", "--tokens", "8", "--attn", "loop"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # no smoke test, no empty table
+        (line,) = [ln for ln in captured.err.splitlines() if "error:" in ln]
+        assert "mode floor (needs an NVIDIA GPU)" in line and "mode bcg (needs an NVIDIA GPU)" in line
+        assert "mode eager" not in line and "Traceback" not in captured.err
+
+
+def test_cpu_named_workload_that_cannot_run_is_refused(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--workload", "micro"])
+    assert info.value.code == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert "workload micro (needs an NVIDIA GPU)" in line
+
+
+def test_cpu_modes_all_skips_what_cannot_run(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--modes all`` (like the default) runs what can run here and names what it skips."""
+    rc = cli.main(["--modes", "all", "--tokens", "8", "--attn", "loop", "--iters", "1", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "mode floor skipped: needs an NVIDIA GPU" in out
     assert "mode bcg skipped: needs an NVIDIA GPU" in out
+    assert "median ms: eager" in out and "bcg-eager" in out
+
+
+# -- bad input: usage, one error line naming the flag, exit 2, no traceback --------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--requests", "0"], "--requests"),
+        (["--requests", "1000", "--tokens", "128"], "--requests"),
+        (["--layers", "0"], "--layers"),
+        (["--layers", "-1"], "--layers"),
+        (["--heads", "0"], "--heads"),
+        (["--hidden", "30", "--heads", "4"], "--hidden"),
+        (["--out", "/dev/null/x"], "--out"),
+        (["--workload", "micro", "--segments", "-2"], "--segments"),
+        # the other numeric flags and constraints of the workloads
+        (["--hidden", "0"], "--hidden"),
+        (["--hidden", "36", "--heads", "4"], "--head"),  # head dim 9: RoPE needs it even
+        (["--head-dim", "7"], "--head-dim"),
+        (["--head-dim", "0"], "--head-dim"),
+        (["--kv-heads", "3"], "--kv-heads"),  # must divide heads (4 in the tiny shape)
+        (["--kv-heads", "0"], "--kv-heads"),
+        (["--intermediate", "-5"], "--intermediate"),
+        (["--tokens", "2,64", "--requests", "3"], "--tokens"),
+        (["--ladder-max", "8"], "--ladder-max"),
+        (["--ladder-max", "-1"], "--ladder-max"),
+        (["--micro-iters", "0"], "--micro-iters"),
+        (["--iters", "-3"], "--iters"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--capture-warmup", "-1"], "--capture-warmup"),
+        (["--seed", "-1"], "--seed"),
+        (["--layers", "two"], "--layers"),
+    ],
+)
+def test_bad_input_is_one_error_line(argv: list[str], flag: str, no_cuda: None, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never"
+    if "--out" not in argv:
+        argv = [*argv, "--out", str(out)]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith("usage: bcg-bench")
+    (line,) = [ln for ln in captured.err.splitlines() if "error:" in ln]
+    assert line.startswith("bcg-bench: error:") and flag in line
+    assert not out.exists()  # nothing is created before every argument is checked
+
+
+def test_out_must_be_a_writable_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.parse_args(["--out", str(tmp_path / "a" / "b")]).out == tmp_path / "a" / "b"
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(["--out", str(bad)])
+        assert info.value.code == 2
+        assert "argument --out" in capsys.readouterr().err
+
+
+def test_shape_checks_use_the_preset_that_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Fields not given come from --shape; with CUDA the 8b preset, without it the tiny one."""
+    assert llama.shape(cli.parse_args(["--kv-heads", "16"], cuda=True))["kv_heads"] == 16  # 8b: 32 heads
+    # an explicit even head dim needs no hidden % heads
+    assert llama.shape(cli.parse_args(["--hidden", "30", "--heads", "3", "--kv-heads", "1", "--head-dim", "8"]))[
+        "head_dim"] == 8
+    for argv, cuda, expected in [
+        (["--heads", "12", "--hidden", "768"], True, "--kv-heads (8 from --shape 8b) must divide --heads 12"),
+        (["--kv-heads", "8"], False, "--kv-heads 8 must divide --heads (4 from --shape tiny)"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(argv, cuda=cuda)
+        assert info.value.code == 2
+        assert expected in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path of a fresh process")
@@ -238,6 +337,63 @@ def test_micro_case_on_cpu() -> None:
         assert row["us_per_segment"] == pytest.approx(row["us_per_replay"] / 5)
         assert row["us_per_segment_overhead"] == pytest.approx((row["us_per_replay"] - row["bp_eager_us"]) / 5)
     assert rows[1]["segments"] == 5 and rows[1]["breakpoints"] == 5
+
+
+# -- progress output -----------------------------------------------------------------------------
+
+
+def _message_lines(text: str) -> list[str]:
+    return [ln for ln in text.split("\n") if "bcg-bench:" in ln]
+
+
+def test_progress_redirected_messages_on_their_own_lines(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Progress on (no --no-progress), stderr not a terminal: no bar frames, one message a line."""
+    rc = cli.main(["--tokens", "8,16", "--attn", "loop", "--iters", "1"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "\r" not in captured.out
+    lines = _message_lines(captured.out)
+    assert all(ln.startswith("bcg-bench: ") and ln.count("bcg-bench:") == 1 for ln in lines), lines
+    assert sum("median ms:" in ln for ln in lines) == 2
+    assert any(ln.startswith("bcg-bench: llama: weights ") for ln in lines)
+
+
+def test_progress_bar_on_a_terminal_keeps_messages_on_their_own_lines(
+    no_cuda: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a bar on stderr (a terminal), messages, log records and warnings printed while it is
+    drawn each end up alone on a line: the bar is cleared first (what follows the last carriage
+    return of a line is the message alone)."""
+    import logging
+    import warnings
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    handler = logging.StreamHandler(sys.stderr)  # as logging.basicConfig gives outside pytest
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.root.addHandler(handler)
+    make_case = llama.make_case
+
+    def noisy_make_case(*args: object, **kwargs: object) -> object:
+        logging.getLogger("bcg.test").warning("a log record")
+        warnings.warn("a warning", UserWarning, stacklevel=1)
+        return make_case(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "make_case", noisy_make_case)
+    try:
+        rc = cli.main(["--tokens", "8,16", "--attn", "loop", "--iters", "1"])
+    finally:
+        logging.root.removeHandler(handler)
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "\r" in captured.err and "row/s" in captured.err  # the bar was drawn, on stderr
+    assert "row" not in captured.out  # and not on stdout
+    lines = _message_lines(captured.out)
+    assert sum("median ms:" in ln for ln in lines) == 2
+    assert all(ln.split("\r")[-1].startswith("bcg-bench: ") for ln in lines), lines
+    records = [ln.split("\r")[-1] for ln in captured.err.split("\n") if "a log record" in ln or "UserWarning: a warning" in ln]
+    assert len(records) >= 3, captured.err
+    assert all(r.startswith(("WARNING bcg.test: a log record", "WARNING py.warnings: ")) for r in records), records
+    assert not any("%|" in ln for ln in records)
 
 
 # -- report on GPU-shaped rows ------------------------------------------------------------------

@@ -14,8 +14,10 @@ before the next point is built.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +31,7 @@ from bcg.bench import report
 from bcg.bench.case import Case
 from bcg.bench.modes import MODES, BuildContext, Built, NotApplicable, forward_of, skip_reason
 from bcg.bench.timing import paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
-from bcg.bench.workloads import WORKLOADS
+from bcg.bench.workloads import WORKLOADS, int_in, nonnegative_int, positive_int
 
 NO_CUDA_MESSAGE = (
     "bcg-bench: CUDA is not available here, and graph timings need an NVIDIA GPU.\n"
@@ -46,11 +48,16 @@ TIMING_NOTE = (
 )
 
 
+class _Every(list):  # type: ignore[type-arg]
+    """The value of ``--workload``/``--modes`` when not narrowed by hand (the default or ``all``):
+    what cannot run here is skipped with a note, where a hand-picked name would be refused."""
+
+
 def _names(kind: str, known: Sequence[str]) -> Any:
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
         if values == ["all"]:
-            return list(known)
+            return _Every(known)
         bad = [v for v in values if v not in known]
         if not values or bad:
             raise argparse.ArgumentTypeError(
@@ -61,38 +68,93 @@ def _names(kind: str, known: Sequence[str]) -> Any:
     return parse
 
 
+def writable_dir(text: str) -> Path:
+    """``--out``: a directory that exists and is writable, or that can be made (its nearest
+    existing ancestor is a writable directory). Nothing is created here: ``main`` makes it once
+    every argument has been checked."""
+    path = Path(text).expanduser()
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(probe)!r} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(probe)!r} is not writable")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bcg-bench",
         description="Benchmark breakable CUDA graphs (bcg) against eager, one CUDA graph (floor) and peer libraries.",
         epilog=f"Timing: {TIMING_NOTE}.",
     )
-    p.add_argument("--workload", type=_names("workload", list(WORKLOADS)), default=list(WORKLOADS),
-                   help=f"comma-separated workloads (default {','.join(WORKLOADS)})")
+    p.add_argument("--workload", type=_names("workload", list(WORKLOADS)), default=_Every(WORKLOADS),
+                   help=f"comma-separated workloads (default all: {','.join(WORKLOADS)}; a workload named here "
+                   "that cannot run on this machine is an error)")
     p.add_argument("--modes", type=_names("mode", list(MODES)), default=None,
-                   help=f"comma-separated modes (default all: {','.join(MODES)})")
-    p.add_argument("--iters", type=int, default=None,
+                   help=f"comma-separated modes (default all: {','.join(MODES)}, skipping those that cannot run "
+                   "here; a mode named here that cannot run on this machine is an error)")
+    p.add_argument("--iters", type=positive_int, default=None,
                    help=f"timed replays per row (default {GPU_ITERS}; {CPU_ITERS} without CUDA)")
-    p.add_argument("--warmup", type=int, default=2,
+    p.add_argument("--warmup", type=nonnegative_int, default=2,
                    help="untimed replays before each block of timed replays (default 2)")
-    p.add_argument("--capture-warmup", type=int, default=1,
+    p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and request lengths")
-    p.add_argument("--out", type=Path, help="write DIR/bench.json and DIR/bench.png")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                   help="seed of weights, inputs and request lengths (0 to 2**32-1; default 0)")
+    p.add_argument("--out", type=writable_dir, metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal)")
     p.add_argument("--list", action="store_true", help="list workloads and modes, then exit")
     for module in WORKLOADS.values():
         module.add_arguments(p)
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _no_cuda_message(modes: Sequence[str]) -> str:
+    if tuple(modes) == CPU_MODES:
+        return NO_CUDA_MESSAGE
+    return NO_CUDA_MESSAGE.replace("eager and bcg-eager only", f"{', '.join(modes) or 'none'} only")
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool | None) -> None:
+    """Checks across flags, right after parsing: a bad combination exits 2 via ``parser.error``.
+
+    ``cuda``: whether this machine has CUDA (None: do not check what can run here). Without
+    CUDA the llama shape is the tiny preset (CPU smoke test), and a mode or workload that was
+    named by hand (``--modes``/``--workload``, not ``all``) but cannot run here is refused:
+    all of them are named, each with its reason.
+    """
+    forced = ""
+    if cuda is False and getattr(args, "shape", "tiny") != "tiny":
+        args.shape = "tiny"
+        forced = " (without CUDA the llama workload runs the tiny shape)"
+    for name in args.workload:
+        check = getattr(WORKLOADS[name], "check_args", None)
+        message = check(args) if check is not None else None
+        if message:
+            parser.error(message + (forced if "from --shape" in message else ""))
+    if cuda is None or args.list:
+        return
+    cannot: list[str] = []
+    if args.modes is not None and not isinstance(args.modes, _Every):
+        cannot += [f"mode {m} ({reason})" for m in args.modes if (reason := skip_reason(m, cuda))]
+    if not isinstance(args.workload, _Every) and not cuda:
+        cannot += [f"workload {w} (needs an NVIDIA GPU)" for w in args.workload if WORKLOADS[w].NEEDS_CUDA]
+    if cannot:
+        modes = ",".join(m for m in MODES if not skip_reason(m, cuda))
+        workloads = ",".join(w for w, module in WORKLOADS.items() if cuda or not module.NEEDS_CUDA)
+        parser.error(f"cannot run here: {'; '.join(cannot)}. This machine can run modes {modes or 'none'} "
+                     f"and workloads {workloads}")
+
+
+def parse_args(argv: Sequence[str] | None = None, cuda: bool | None = None) -> argparse.Namespace:
+    """Parse and check ``argv`` (see :func:`_check_args` for ``cuda``); bad input exits 2
+    with argparse's usage and one ``error:`` line."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.iters is not None and args.iters < 1:
-        parser.error("--iters must be at least 1")
-    if args.warmup < 0 or args.capture_warmup < 0:
-        parser.error("--warmup and --capture-warmup must be >= 0")
+    _check_args(parser, args, cuda)
     return args
 
 
@@ -219,37 +281,63 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
             case.finish_row(row)
 
 
+def _say(text: str) -> None:
+    """Print a message on its own line, also while the progress bar is drawn (``tqdm.write``
+    clears the bar, writes the line, redraws the bar), and flush it."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _messages_above(bar: Any) -> Any:
+    """While ``bar`` is drawn: log records and Python warnings (written to stderr, where the
+    bar is) go through ``tqdm.write`` too, each on its own line."""
+    if bar.disable:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    logging.captureWarnings(True)
+    try:
+        with logging_redirect_tqdm():
+            yield
+    finally:
+        logging.captureWarnings(False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args, cuda)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.list:
         print(_list())
         return 0
-    cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     notes: list[str] = []
     skipped: list[dict[str, str]] = []
 
     def note(text: str) -> None:
         notes.append(text)
-        print(f"bcg-bench: {text}", flush=True)
+        _say(f"bcg-bench: {text}")
 
     requested = args.modes if args.modes is not None else list(MODES)
+    if not cuda and args.modes is None:
+        requested = list(CPU_MODES)
+    # what cannot run here is skipped only with the default or 'all': named by hand, it was refused above
+    reasons = {mode: skip_reason(mode, cuda) for mode in requested}
+    modes = [mode for mode in requested if not reasons[mode]]
     if not cuda:
-        print(NO_CUDA_MESSAGE, flush=True)
-        notes.append(NO_CUDA_MESSAGE.replace("bcg-bench: ", "").replace("\n", " "))
-        if args.shape != "tiny":
-            args.shape = "tiny"
-        if args.modes is None:
-            requested = list(CPU_MODES)
-    modes: list[str] = []
-    for mode in requested:
-        reason = skip_reason(mode, cuda)
+        message = _no_cuda_message(modes)
+        _say(message)
+        notes.append(message.replace("bcg-bench: ", "").replace("\n", " "))
+    for mode, reason in reasons.items():
         if reason:
             skipped.append({"mode": mode, "reason": reason})
             note(f"mode {mode} skipped: {reason}")
-        else:
-            modes.append(mode)
     workloads: list[str] = []
     for name in args.workload:
         if WORKLOADS[name].NEEDS_CUDA and not cuda:
@@ -278,7 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out_dir: Path | None = args.out
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # checked at parsing; changed since
+            parser.error(f"argument --out: cannot make {str(out_dir)!r}: {exc.strerror or exc}")
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     extras: dict[str, Any] = {}  # top-level sections a workload adds (llama: "runner")
@@ -292,9 +383,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    bar = tqdm(total=len(plan) * len(modes), disable=args.no_progress or not modes, file=sys.stderr,
-               dynamic_ncols=True, mininterval=0.1 if tty else 30.0, unit="row")
+    # disable=None: tqdm draws no bar when stderr is not a terminal (no carriage-return frames in a log)
+    bar = tqdm(total=len(plan) * len(modes), disable=True if args.no_progress or not modes else None,
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.1, unit="row")
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(_messages_above(bar))
         for name in workloads:
             module = WORKLOADS[name]
             bar.set_description(f"{name}: setup", refresh=tty)
@@ -303,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = getattr(state, "nbytes", None)
             if nbytes:
                 size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-                bar.write(f"bcg-bench: {name}: weights {size} built in {time.perf_counter() - t0:.1f} s")
+                _say(f"bcg-bench: {name}: weights {size} built in {time.perf_counter() - t0:.1f} s")
             for attn, T in module.points(args):
                 case = module.make_case(state, args, device, attn, T)
                 bar.set_description(f"{case.label}: eager reference", refresh=tty)
@@ -317,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 def failed(mode: str, exc: Exception, case: Case = case) -> None:
                     errors.append({"workload": case.workload, "attn": case.attn, "T": case.T, "mode": mode,
                                    "error": f"{type(exc).__name__}: {exc}"})
-                    bar.write(f"bcg-bench: {case.label} {mode} FAILED: {type(exc).__name__}: {exc}")
+                    _say(f"bcg-bench: {case.label} {mode} FAILED: {type(exc).__name__}: {exc}")
 
                 def not_applicable(mode: str, exc: NotApplicable, case: Case = case) -> None:
                     skipped.append({"workload": case.workload, "T": case.T, "mode": mode, "reason": str(exc)})
@@ -331,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _finish_case(case, case_rows)
                 rows.extend(case_rows)
                 summary = ", ".join(f"{r['mode']} {r['ms_median']:.3f}" for r in case_rows)
-                bar.write(f"bcg-bench: {case.label}: median ms: {summary}")
+                _say(f"bcg-bench: {case.label}: median ms: {summary}")
                 save()
                 del case, refs
                 _cleanup(cuda)
@@ -341,11 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     extras.update(module.extra(state, args, device))
                 except Exception as exc:
                     errors.append({"workload": name, "extra": True, "error": f"{type(exc).__name__}: {exc}"})
-                    bar.write(f"bcg-bench: {name} extra measures FAILED: {type(exc).__name__}: {exc}")
+                    _say(f"bcg-bench: {name} extra measures FAILED: {type(exc).__name__}: {exc}")
                 save()
             del state
             _cleanup(cuda)
     finally:
+        stack.close()
         bar.close()
     print()
     print(report.format_table(rows) if rows else "bcg-bench: no rows")
@@ -371,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         title = f"{env['gpu']} | torch {env['torch']} | bcg {env['commit']} | {env['date']}"
         report.write_png(out_dir / "bench.png", rows, title=title)
         print(f"bcg-bench: wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    sys.stdout.flush()  # before the stderr line, also when both go to one file
     if errors:
         print(f"bcg-bench: {len(errors)} row(s) failed; see 'errors' in bench.json", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import bcg
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
+from bcg.bench.workloads import nonnegative_int, positive_int
 from bcg.compiled import dynamo_graphs
 
 NAME = "llama"
@@ -51,6 +52,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
 }
 ATTN = ("flash", "varlen", "loop")
+LADDER_MIN = 16  # bcg.default_buckets' smallest bucket
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
 
@@ -98,24 +100,70 @@ def attn_list(text: str) -> list[str]:
     return values
 
 
+def ladder_max(text: str) -> int:
+    """``--ladder-max``: 0 (skip the ladder) or at least the ladder's smallest bucket (16)."""
+    value = nonnegative_int(text)
+    if 0 < value < LADDER_MIN:
+        raise argparse.ArgumentTypeError(f"must be 0 (skip the ladder) or at least {LADDER_MIN}, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("llama workload")
     g.add_argument("--shape", choices=sorted(SHAPES), default="8b",
                    help="model shape preset (default 8b; CPU runs always start from tiny)")
-    g.add_argument("--layers", type=int, help="override: decoder layers (= breakpoints)")
-    g.add_argument("--hidden", type=int, help="override: hidden size")
-    g.add_argument("--heads", type=int, help="override: query heads")
-    g.add_argument("--kv-heads", type=int, help="override: key/value heads (GQA)")
-    g.add_argument("--head-dim", type=int, help="override: head dim (default hidden // heads)")
-    g.add_argument("--intermediate", type=int, help="override: SwiGLU intermediate size")
+    g.add_argument("--layers", type=positive_int, help="override: decoder layers (= breakpoints)")
+    g.add_argument("--hidden", type=positive_int, help="override: hidden size")
+    g.add_argument("--heads", type=positive_int, help="override: query heads (must divide --hidden)")
+    g.add_argument("--kv-heads", type=positive_int, help="override: key/value heads (GQA; must divide --heads)")
+    g.add_argument("--head-dim", type=positive_int,
+                   help="override: head dim, even (RoPE; default hidden // heads, which must then be even)")
+    g.add_argument("--intermediate", type=positive_int, help="override: SwiGLU intermediate size")
     g.add_argument("--tokens", type=int_list, default=[128, 512, 2048],
-                   help="comma-separated T values (total tokens of the batch; default 128,512,2048)")
-    g.add_argument("--requests", type=int, default=4, help="requests per batch (default 4)")
-    g.add_argument("--ladder-max", type=int, default=4096,
+                   help="comma-separated T values, each >= --requests (total tokens of the batch; "
+                   "default 128,512,2048)")
+    g.add_argument("--requests", type=positive_int, default=4, help="requests per batch (default 4)")
+    g.add_argument("--ladder-max", type=ladder_max, default=4096,
                    help="capture a GraphRunner over the default 16-bucket ladder up to this many tokens and "
-                   "report its capture time and pool size (GPU only; 0 skips; default 4096)")
+                   f"report its capture time and pool size (GPU only; 0 skips, else >= {LADDER_MIN}; default 4096)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
                    help="attention implementations: flash,varlen,loop (default all three)")
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the llama flags cannot build the model or its batches, naming the flags (None: they can).
+
+    Shape fields not given as flags come from ``--shape``'s preset. GQA needs the KV heads
+    to divide the query heads; the head dim (``--head-dim``, else hidden // heads, which
+    must then divide exactly) must be even for RoPE; every T needs a token per request.
+    """
+    preset = SHAPES[args.shape]
+
+    def field(key: str, flag: str) -> tuple[int, str]:
+        value = getattr(args, key, None)
+        if value is not None:
+            return value, f"{flag} {value}"
+        return preset[key], f"{flag} ({preset[key]} from --shape {args.shape})"
+
+    hidden, hidden_s = field("hidden", "--hidden")
+    heads, heads_s = field("heads", "--heads")
+    kv_heads, kv_s = field("kv_heads", "--kv-heads")
+    if heads % kv_heads:
+        return f"{kv_s} must divide {heads_s}: each KV head serves heads / kv-heads query heads (GQA)"
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is not None:
+        if head_dim % 2:
+            return f"--head-dim {head_dim} must be even: RoPE rotates pairs of dimensions"
+    elif hidden % heads:
+        return f"{hidden_s} must be a multiple of {heads_s}: the head dim is hidden / heads (or pass --head-dim)"
+    elif (hidden // heads) % 2:
+        return (f"the head dim {hidden_s} / {heads_s} = {hidden // heads} must be even: RoPE rotates pairs of "
+                "dimensions (or pass an even --head-dim)")
+    small = [T for T in args.tokens if T < args.requests]
+    if small:
+        return (f"--tokens {','.join(map(str, small))} is smaller than --requests {args.requests}: "
+                "every request needs at least one token")
+    return None
 
 
 def shape(args: argparse.Namespace) -> dict[str, int]:

@@ -23,6 +23,7 @@ import torch
 import bcg
 from bcg.bench.case import Case
 from bcg.bench.timing import sample_ms, sync_fn
+from bcg.bench.workloads import positive_int
 
 NAME = "micro"
 NEEDS_CUDA = True
@@ -31,8 +32,8 @@ NUMEL = 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("micro workload")
-    g.add_argument("--segments", type=int, default=64, help="K: segments and breakpoints (default 64)")
-    g.add_argument("--micro-iters", type=int, default=200,
+    g.add_argument("--segments", type=positive_int, default=64, help="K: segments and breakpoints (default 64)")
+    g.add_argument("--micro-iters", type=positive_int, default=200,
                    help="timed replays per micro row (default 200: a replay is ~0.1 ms)")
 
 
