@@ -15,7 +15,27 @@ from typing import Any
 from bcg.errors import LiveReadInSegmentError, user_line
 from bcg.recorder import ACTIVE
 
-_UNSET: Any = object()
+
+class _Unset:
+    """The type of :data:`_UNSET`, "no value given" (``None`` is a valid live value).
+
+    One instance; compared by identity (``is _UNSET``). Its repr makes signatures
+    read ``live=<unset>``; copies are the instance itself.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __copy__(self) -> _Unset:
+        return self
+
+    def __deepcopy__(self, memo: object) -> _Unset:
+        return self
+
+
+_UNSET: Any = _Unset()
 _LIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_live", default=_UNSET)
 
 
