@@ -1,0 +1,54 @@
+"""examples/hf_llama.py on a GPU: a Hugging Face Llama under bcg, bit-identical to eager, timed.
+
+Skips (with the reason) where ``transformers`` is not importable, and, as every
+``cuda`` test, where no GPU is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_llama.py"
+
+
+def _load_example():
+    """examples/ is no package: load hf_llama.py from its path, once."""
+    name = "bcg_example_hf_llama"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None and spec.loader is not None, f"cannot load {EXAMPLE}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def test_hf_llama_example_is_bit_identical_and_timed() -> None:
+    pytest.importorskip(
+        "transformers",
+        reason="transformers is not importable (pip install transformers): examples/hf_llama.py needs it",
+    )
+    example = _load_example()
+    r = example.main(["--tokens", "256", "--requests", "3", "--layers", "2", "--iters", "10"])
+    assert r["device"].startswith("cuda") and r["mode"] == "graph"
+    assert r["packed_ok"], f"packed attention vs HF sdpa per request: rel err {r['packed_rel_err']}"
+    assert r["graph_equal"] is True
+    assert r["segments"] == 3 and r["breakpoints"] == 2
+    assert r["runner_equal"] is True
+    assert r["runner_bucket"] != r["runner_tokens"]  # the call really was padded
+    assert r["runner_fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
+    for key in ("eager_ms", "bcg_ms", "speedup", "runner_eager_ms", "runner_ms", "runner_speedup"):
+        assert r[key] > 0, key
+    torch.cuda.synchronize()
