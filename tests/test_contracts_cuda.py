@@ -368,15 +368,18 @@ def _hammer(work) -> list[BaseException]:  # noqa: ANN001
 
 
 def test_four_threads_get_their_own_results_in_graph_mode() -> None:
+    """Each thread on its own stream, as a server's workers are: a result read after the call
+    returns must be this call's, not a later call's from another thread."""
     runner, cases = _threaded_runner()
     wrong = []
 
     def work(i: int) -> None:
         x, pos, live, expected = cases[i]
-        for k in range(300):
-            y = runner(x, pos, live=live).clone()  # read after the lock is released
-            if not torch.equal(y, expected):
-                wrong.append((i, k))
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for k in range(300):
+                y = runner(x, pos, live=live).clone()  # read after the lock is released
+                if not torch.equal(y, expected):
+                    wrong.append((i, k))
 
     assert not _hammer(work)
     assert wrong == [], f"{len(wrong)} of 1200 results were another thread's"
@@ -389,12 +392,13 @@ def test_locked_block_returns_views_that_no_other_thread_overwrites() -> None:
 
     def work(i: int) -> None:
         x, pos, live, expected = cases[i]
-        for k in range(150):
-            with runner.locked():
-                y = runner(x, pos, live=live)
-                views.append(y.data_ptr() in static)
-                if not torch.equal(y, expected):
-                    wrong.append((i, k))
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for k in range(150):
+                with runner.locked():
+                    y = runner(x, pos, live=live)
+                    views.append(y.data_ptr() in static)
+                    if not torch.equal(y, expected):
+                        wrong.append((i, k))
 
     assert not _hammer(work)
     assert wrong == [] and all(views)

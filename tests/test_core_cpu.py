@@ -47,7 +47,32 @@ def test_breakpoint_decorator_with_options_and_errors_pass_through() -> None:
 
 
 def test_graph_break_outside_capture_does_nothing() -> None:
-    bcg.graph_break()
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        h = t.sin() * 2
+        assert bcg.graph_break() is None
+        return h.cos() + t
+
+    def unbroken(t: torch.Tensor) -> torch.Tensor:
+        return (t.sin() * 2).cos() + t
+
+    x = torch.randn(16)
+    before = x.clone()
+    assert bcg.graph_break() is None  # no capture, no recording: a plain no-op
+    assert torch.equal(fn(x), unbroken(x))  # the code around it computes the same values
+    assert torch.equal(x, before)
+
+    # Inside an eager-mode recording the same call splits the work into two segments ...
+    graph = bcg.make_graph(fn, x, mode="eager")
+    assert graph.num_segments == 2 and graph.num_breakpoints == 0
+    assert bcg.make_graph(unbroken, x, mode="eager").num_segments == 1
+    # ... and once the recording is over it does nothing again: neither to the recorded
+    # graph nor to the values computed around it.
+    assert bcg.graph_break() is None
+    assert graph.num_segments == 2
+    x.copy_(torch.randn(16))
+    out = graph.replay()
+    assert out is graph.outputs and torch.equal(out, unbroken(x))
+    assert torch.equal(fn(x), unbroken(x))
 
 
 def test_mutates_names_the_written_arguments() -> None:

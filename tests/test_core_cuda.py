@@ -142,8 +142,20 @@ def test_replay_raises_when_a_breakpoint_changes_its_output_contract() -> None:
     torch.testing.assert_close(out, (x + 1) * 2 - 1, rtol=0, atol=0)
 
 
-def test_bridges_survive_the_caller_dropping_them() -> None:
-    """The weak-reference bug class: a later capture must not reuse a bridge's memory."""
+@pytest.mark.parametrize("ownership", OWNERSHIPS)
+def test_bridges_survive_the_caller_dropping_them(ownership: str) -> None:
+    """The weak-reference bug class: a later capture must not reuse a bridge's memory.
+
+    The caller drops the bridge right away (``b`` is local to ``fn``). A second graph is then
+    captured into the same pool, on the same capture stream (the allocator reuses a pool's
+    free blocks per stream), allocating and NaN-filling many tensors of the bridge's size:
+    were the bridge's memory free, the first of them would land on it (as it does with
+    ``ownership="pool"``). With ``ownership="graph"`` the plan holds the bridge: none of them
+    may overlap it, and replaying the second graph must leave it intact. With
+    ``ownership="pool"`` the contract lets later captures reuse it (a replay rewrites it
+    before reading it; graphs sharing a pool replay one at a time): there the first graph's
+    results are what is promised, with the second replayed before each of its replays.
+    """
 
     @bcg.breakpoint
     def produce(t: torch.Tensor) -> torch.Tensor:
@@ -155,11 +167,31 @@ def test_bridges_survive_the_caller_dropping_them() -> None:
         b = produce(a)
         return (b * 2).sum(0, keepdim=True)
 
-    graph, out = _capture(fn, x)
-    scratch = [torch.randn(1024, device="cuda") for _ in range(16)]  # would reuse a freed eager block
-    graph.replay()
-    torch.testing.assert_close(out, (x.cos() * 2).sum(0, keepdim=True))
-    del scratch
+    graph, out = _capture(fn, x, ownership=ownership)
+    (bridge,) = graph.breakpoints[0].bridges.tensors()
+    lo, hi = bridge.data_ptr(), bridge.data_ptr() + bridge.untyped_storage().nbytes()
+
+    def scribble() -> list[torch.Tensor]:
+        return [torch.full((1024,), float("nan"), device="cuda") for _ in range(64)]
+
+    scribble()  # warm up: the fill kernel must not load lazily inside the capture
+    other = bcg.BreakableGraph()
+    with bcg.capture(other, pool=graph.pool()):
+        junk = scribble()  # NaN-filled at capture (each segment runs once right away)
+    assert other.pool() == graph.pool()
+    if ownership == "graph":
+        overlapping = [j for j in junk if j.data_ptr() < hi and lo < j.data_ptr() + j.untyped_storage().nbytes()]
+        assert not overlapping, "a later capture into the pool was handed the bridge's memory"
+    for _ in range(4):
+        other.replay()  # NaN into its tensors: they may share graph's temporaries (and, with "pool", its bridge)
+        x.copy_(torch.randn(1024, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out, (x.cos() * 2).sum(0, keepdim=True), rtol=0, atol=0)
+        if ownership == "graph":
+            other.replay()
+            assert torch.equal(bridge, x.cos()), "another graph's replay wrote into the bridge"
+    del junk
+    other.reset()
 
 
 # -- shared pools: graphs captured one after the other, replayed in random order ------------------
@@ -614,7 +646,7 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
         g = grow(h)
         return (g + 1).sum()
 
-    graph, out = _capture(fn, x)
+    graph, out = _capture(fn, x, ownership="graph")  # the graph holds its arguments and bridge
     pool = graph.stats().pool_bytes
     assert pool >= 3 * x.nbytes
     assert torch.cuda.memory_allocated() >= allocated0 + 3 * x.nbytes
@@ -627,21 +659,31 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
 
 @pytest.mark.parametrize("ownership", OWNERSHIPS)
 def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
+    """GEMMs in the segments before and after the breakpoint (and one in the breakpoint, eager):
+    a cuBLAS workspace allocated per replay (or per stream) would show as growth."""
+    w_in = torch.randn(64, 64, device="cuda") / 8
+    w_out = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16) / 8
+    w_bp = torch.randn(64, 64, device="cuda") / 8
+
     @bcg.breakpoint
     def attn_like(q: torch.Tensor) -> torch.Tensor:
         n = bcg.live()
         out = torch.zeros_like(q)
-        out[:n] = q[:n].softmax(-1)
+        out[:n] = (q[:n] @ w_bp).softmax(-1)
         return out
 
     x = torch.randn(128, 64, device="cuda")
 
     def fn(a: torch.Tensor) -> torch.Tensor:
-        h = a.relu()
-        return attn_like(h) * 2
+        h = (a @ w_in).relu()  # fp32 GEMM in segment 0
+        return (attn_like(h) * 2).bfloat16() @ w_out  # bf16 GEMM in segment 1
 
+    with bcg.live_scope(128):
+        fn(x)  # warm up (cuBLAS handles are created eagerly, not inside a segment)
     graph, out = _capture(fn, x, live=128, ownership=ownership)
-    for i in range(100):
+    assert graph.num_segments == 2 and graph.num_breakpoints == 1
+    assert all(k > 0 for k in graph.stats().kernel_nodes)
+    for i in range(256):  # every n once or more: each size's temporaries have been cached
         graph.replay(live=1 + i % 128)
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -650,6 +692,11 @@ def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
     assert torch.cuda.memory_reserved() <= reserved
+    x.copy_(torch.randn_like(x))
+    graph.replay(live=77)
+    with bcg.live_scope(77):
+        expected = fn(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_pool_ownership_lets_later_segments_reuse_breakpoint_memory() -> None:

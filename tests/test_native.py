@@ -134,8 +134,40 @@ def test_an_on_result_exception_stops_the_replay_at_its_step(_native) -> None:  
 
 
 def test_replay_ignores_what_callables_return(_native) -> None:  # noqa: ANN001
-    plan = _native.Plan([lambda: 42, lambda: "x", list])
-    plan.replay(0)
+    calls: list[str] = []
+    results: list[weakref.ref] = []
+
+    class Result:
+        pass
+
+    def an_int() -> int:
+        calls.append("int")
+        return 42
+
+    def a_str() -> str:
+        calls.append("str")
+        return "x"
+
+    def an_exception() -> Exception:
+        calls.append("exception")
+        return ValueError("returned, not raised")
+
+    def a_fresh_object() -> Result:
+        calls.append("object")
+        r = Result()
+        results.append(weakref.ref(r))
+        return r
+
+    def false() -> bool:
+        calls.append("false")
+        return False
+
+    plan = _native.Plan([an_int, a_str, an_exception, a_fresh_object, false])
+    for _ in range(3):
+        assert plan.replay(0) is None
+        assert plan.failed_step == -1
+    assert calls == ["int", "str", "exception", "object", "false"] * 3  # every callable ran, in order
+    assert len(results) == 3 and all(r() is None for r in results)  # results were dropped, not kept
 
 
 def test_replay_arguments_are_checked(_native) -> None:  # noqa: ANN001

@@ -305,6 +305,11 @@ def _rng_free_fn(a: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.cuda
 def test_native_per_segment_overhead() -> None:
+    """The native loop launches segments faster than torch's own ``CUDAGraph.replay()`` called
+    from a Python loop over the same segments (and than the Python executor), measured in the
+    same test, interleaved: no absolute bound that a loaded machine would break."""
+    from bcg.replay import PythonExecutor
+
     segments = 32
     x = torch.zeros(64, device="cuda")
 
@@ -315,27 +320,47 @@ def test_native_per_segment_overhead() -> None:
         return a
 
     graph, _ = _capture(fn, x)
-    assert graph.num_segments == segments
+    assert graph.num_segments == segments and graph.num_breakpoints == 0
+    graph.use_executor("native")
+    assert graph.executor == "native" and graph._executor.launches == segments
+    launches = [s.cuda_graph.replay for s in graph.segments]  # torch's replay of the same graphs
 
-    def per_segment_us(name: str) -> float:
-        graph.use_executor(name)
+    def torch_loop() -> None:
+        for launch in launches:
+            launch()
+
+    runs = {"native": graph.replay, "torch": torch_loop, "python": PythonExecutor(graph.plan).run}
+    for run in runs.values():
         for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
+            run()
+    torch.cuda.synchronize()
+
+    def block_us(run) -> float:  # noqa: ANN001 - median host time per segment over a short block
         samples = []
-        for _ in range(50):
+        for _ in range(5):
+            torch.cuda.synchronize()  # an empty launch queue before each sample
             t0 = time.perf_counter()
             for _ in range(4):  # 128 launches, well inside the launch queue
-                graph.replay()
+                run()
             samples.append((time.perf_counter() - t0) / (4 * segments) * 1e6)
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         return statistics.median(samples)
 
-    python_us = per_segment_us("python")
-    native_us = per_segment_us("native")
-    print(f"\nper-segment host time: python {python_us:.2f} us, native {native_us:.2f} us (target <= 2.5 us)")
-    assert native_us < python_us, (native_us, python_us)
-    assert native_us < 5.0, f"native replay costs {native_us:.2f} us per segment (target 2.5 us)"
+    blocks: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(30):  # rounds, the order alternating, so that drift hits every mode alike
+        for name in order if i % 2 == 0 else order[::-1]:
+            blocks[name].append(block_us(runs[name]))
+    us = {name: statistics.median(b) for name, b in blocks.items()}
+    paired = statistics.median(n / t for n, t in zip(blocks["native"], blocks["torch"]))
+    print(
+        f"\nper-segment host time: native {us['native']:.2f} us, torch CUDAGraph.replay loop "
+        f"{us['torch']:.2f} us, python executor {us['python']:.2f} us; native/torch per round {paired:.3f} "
+        f"(worst round {max(n / t for n, t in zip(blocks['native'], blocks['torch'])):.3f})"
+    )
+    assert us["native"] < us["torch"], us
+    assert paired < 1.0, paired
+    assert us["native"] < us["python"], us
     x.zero_()
     graph.replay()
     torch.cuda.synchronize()
