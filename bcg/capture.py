@@ -41,7 +41,7 @@ from bcg.errors import (
     user_line,
 )
 from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle
+from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle, pool_bytes
 from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.recorder import ACTIVE, Recorder, crossing_tensors
@@ -147,7 +147,7 @@ class CaptureSession(Recorder):
         stream: torch.cuda.Stream,
         capture_error_mode: str,
         device: int,
-        ownership: Ownership = "graph",
+        ownership: Ownership = "pool",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         owns_pool: bool = True,
     ) -> None:
@@ -249,6 +249,18 @@ class CaptureSession(Recorder):
         self.close_segment("bcg.graph_break()")
         self.open_segment()
 
+    def pool_resident_tensors(self) -> list[torch.Tensor]:
+        """The breakpoint arguments and bridges the plan holds that live in the pool, each once."""
+        membership = PoolMembership(self.pool, self.device)
+        held: dict[int, torch.Tensor] = {}
+        for step in self.plan:
+            if isinstance(step, BreakpointStep):
+                bridges = step.bridges.tensors() if step.bridges is not None else []
+                for t in pytree.tree_leaves((step.args, step.kwargs, bridges)):
+                    if isinstance(t, torch.Tensor) and membership.contains(t):
+                        held.setdefault(id(t), t)
+        return list(held.values())
+
     # -- failure ------------------------------------------------------------------
     def _unwind(self, graph: torch.cuda.CUDAGraph) -> None:
         """End ``graph``'s capture through torch's own ``capture_end``, whatever state it is in.
@@ -347,7 +359,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         live: Any = _UNSET,
-        ownership: Ownership = "graph",
+        ownership: Ownership = "pool",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         inputs: Any = None,
         guards: bool | None = None,
@@ -393,6 +405,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             _PROCESS.lock.acquire()
         try:
             torch.cuda.synchronize(device)
+            # As torch.cuda.graph does: blocks cached for eager work (the warm-up's) go back to
+            # the driver, so the capture's private pool can have that memory.
+            torch.cuda.empty_cache()
             pool = self._pool if self._pool is not None else graph_pool_handle()
             self._ambient = torch.cuda.current_stream(device)
             stream.wait_stream(self._ambient)
@@ -433,6 +448,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 log.warning("%s", compiled)
             try:
                 self._ambient.wait_stream(session.stream)
+                pool_resident = session.pool_resident_tensors() if self._poison or self._ownership == "graph" else []
                 self.graph._install(
                     session.plan,
                     pool=session.pool,
@@ -441,7 +457,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                     pool_ref=session.pool_ref,
                     keepalive=session.empty_segments,
                     guards=self._build_guards(session) if self._guards else None,
-                    poison=self._build_poison(session) if self._poison else None,
+                    poison=self._build_poison(pool_resident, session) if self._poison else None,
+                    held_bytes=self._held_bytes(pool_resident, session),
                 )
             finally:
                 self._restore()
@@ -468,17 +485,24 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                     guards.add(f"argument {k!r} of breakpoint {step.name!r}", a)
         return guards
 
-    def _build_poison(self, session: CaptureSession) -> Poison:
-        membership = PoolMembership(session.pool, session.device)
-        held: dict[int, torch.Tensor] = {}
-        for step in session.plan:
-            if isinstance(step, BreakpointStep):
-                bridges = step.bridges.tensors() if step.bridges is not None else []
-                for t in pytree.tree_leaves((step.args, step.kwargs, bridges)):
-                    if isinstance(t, torch.Tensor) and membership.contains(t):
-                        held.setdefault(id(t), t)
+    def _build_poison(self, pool_resident: list[torch.Tensor], session: CaptureSession) -> Poison:
         log.warning("bcg: poison mode is on: free pool memory is filled with NaN before every replay (slow)")
-        return Poison(session.pool, session.device, list(held.values()))
+        return Poison(session.pool, session.device, pool_resident)
+
+    def _held_bytes(self, pool_resident: list[torch.Tensor], session: CaptureSession) -> int:
+        """Pool bytes the plan keeps alive itself (``ownership="graph"``); warns when they dominate the pool."""
+        if self._ownership != "graph":
+            return 0
+        held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pool_resident}.values())
+        total = pool_bytes(session.pool, session.device)
+        if held and total > 2 * (total - held):
+            log.warning(
+                "bcg: this capture's pool is %.1f MiB, %.1f MiB of it breakpoint arguments and bridges that "
+                "ownership='graph' keeps alive for the graph's lifetime (none of it is reused by later "
+                "segments); the default ownership='pool' reuses it as torch.cuda.graph reuses temporaries",
+                total / 2**20, held / 2**20,
+            )
+        return held
 
     def _restore(self) -> None:
         """Undo ``__enter__``'s process-wide and context changes; release the capture lock last."""

@@ -32,6 +32,12 @@ class GraphStats:
     ``kernel_nodes`` counts kernel nodes per segment read from each CUDA graph
     (graph mode); ``aten_ops`` counts ATen operations per segment (eager mode).
     ``pool_bytes`` is what the private pool holds (shared pools: the whole pool).
+    ``bridge_bytes``: the bridges (copies of returned tensors). ``held_bytes``:
+    pool memory the graph itself keeps alive (breakpoint arguments and bridges
+    under ``ownership="graph"``; 0 under ``"pool"``), which one
+    ``torch.cuda.graph`` of the same work would reuse;
+    ``pool_bytes_floor_estimate`` (``pool_bytes - held_bytes``) estimates that
+    graph's pool.
     """
 
     mode: str
@@ -42,6 +48,8 @@ class GraphStats:
     pool_bytes: int
     bridge_bytes: int
     capture_s: float
+    held_bytes: int = 0
+    pool_bytes_floor_estimate: int = 0
 
 
 class BreakableGraph:
@@ -68,6 +76,7 @@ class BreakableGraph:
         self._fn: Callable[..., Any] | None = None
         self._static_args: tuple[Any, ...] = ()
         self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
+        self._held_bytes = 0
         self.outputs: Any = None
 
     # -- filled by capture / make_graph ----------------------------------------------
@@ -84,7 +93,9 @@ class BreakableGraph:
         keepalive: Sequence[torch.cuda.CUDAGraph] = (),
         guards: Guards | None = None,
         poison: Poison | None = None,
+        held_bytes: int = 0,
     ) -> None:
+        self._held_bytes = held_bytes
         self._guards = guards if guards else None
         self._poison = poison
         self._plan = tuple(plan)
@@ -162,15 +173,18 @@ class BreakableGraph:
         """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds."""
         segments = self.segments
         graph_mode = self._mode == "graph"
+        pool = pool_bytes(self._pool, self._device) if graph_mode else 0
         return GraphStats(
             mode=self._mode,
             segments=len(segments),
             breakpoints=self.num_breakpoints,
             kernel_nodes=tuple(s.kernel_nodes or 0 for s in segments) if graph_mode else None,
             aten_ops=None if graph_mode else tuple(s.nodes for s in segments),
-            pool_bytes=pool_bytes(self._pool, self._device) if graph_mode else 0,
+            pool_bytes=pool,
             bridge_bytes=sum(b.bridges.nbytes for b in self.breakpoints if b.bridges is not None),
             capture_s=self._capture_s,
+            held_bytes=self._held_bytes,
+            pool_bytes_floor_estimate=max(pool - self._held_bytes, 0),
         )
 
     # -- replay -------------------------------------------------------------------------
@@ -262,6 +276,7 @@ class BreakableGraph:
         self._guards = None
         self._poison = None
         self._fn, self._static_args = None, ()
+        self._held_bytes = 0
         for empty in self._keepalive:
             empty.reset()
         self._keepalive = []

@@ -32,7 +32,7 @@ def make_graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     warmup: int = 1,
-    ownership: str = "graph",
+    ownership: str = "pool",
     guards: bool | None = None,
     poison: bool | None = None,
 ) -> BreakableGraph:

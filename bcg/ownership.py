@@ -1,16 +1,33 @@
 """Who keeps the memory a replay touches alive.
 
-``ownership="graph"`` (default): the graph holds a strong reference to every
-tensor a breakpoint reads or returns, so nothing it recorded can be handed to
-anybody else while the graph lives.
+``ownership="pool"`` (default): tensors that live in the graph's private pool
+(breakpoint arguments, bridges) are held through non-owning aliases; the pool
+itself (kept alive by the graph's segments) owns them. Later segments, and
+later captures into the same pool, reuse that memory as soon as the captured
+code drops its last reference, exactly as ``torch.cuda.graph`` reuses its
+temporaries within one capture. Why this is safe:
 
-``ownership="pool"``: tensors that live in the graph's private pool are held
-through non-owning aliases; the pool itself (kept alive by the graph's
-segments) owns them. Later segments and later captures into the same pool may
-then reuse that memory, as torch.cuda.graph does with its temporaries. Safe
-because a replay rewrites such memory before reading it, provided graphs that
-share a pool never replay concurrently. Tensors outside the pool (static
-inputs, caches, weights, eager results) are always held strongly.
+* A replay performs the same reads and writes in the same order as the
+  capture. At capture, memory is handed out again only after everything that
+  reads it has run (a breakpoint's arguments are referenced until it returns;
+  a bridge until the code after it drops it), so at replay every reader of a
+  block runs before its next writer, and every value is rewritten before it is
+  read. A bridge is refreshed at its breakpoint, before the segments that read
+  it, whatever used its memory earlier in the replay.
+* Graphs sharing a pool replay one at a time (the documented rule, as for
+  ``torch.cuda.graph``): each replay rewrites what it reads, so the graphs may
+  share blocks; a graph's outputs are valid until another graph of the pool replays.
+* What the caller still references (outputs, tensors kept in Python) is
+  never reused: aliasing replaces only the graph's own references.
+* Tensors outside the pool (static inputs, caches, weights, eager results) are
+  always held strongly.
+
+``ownership="graph"``: the graph holds a strong reference to every tensor a
+breakpoint reads or returns, so nothing it recorded is reused, by its own later
+segments or by anybody else, while the graph lives. The pool then grows with
+the number of breakpoints. For debugging: with ``poison=True`` (NaN in free
+pool memory before every replay) a difference between the two ownerships shows
+that something read memory it did not own.
 """
 
 from __future__ import annotations

@@ -270,6 +270,9 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
     floor_compile = next((r for r in rows if r["mode"] == "floor-compile"), None)
     for row in rows:
         row["ratio_to_floor_compile"] = row["ratio_to_floor_paired"] = row["ratio_to_floor_compile_paired"] = None
+        row["pool_ratio_to_floor"] = None
+        if floor is not None and floor.get("pool_mib") and row.get("pool_mib") is not None:
+            row["pool_ratio_to_floor"] = row["pool_mib"] / floor["pool_mib"]
         if floor is not None and floor["ms_median"] > 0:
             row["ratio_to_floor"] = row["ms_median"] / floor["ms_median"]
             row["ratio_to_floor_paired"] = paired_ratio(row["samples_ms"], floor["samples_ms"])

@@ -60,7 +60,7 @@ _LLAMA_COLS = (
     ("attn", "attn", "s", 6), ("T", "T", "d", 5), ("mode", "mode", "s", 21), ("median ms", "ms_median", ".3f", 10),
     ("min ms", "ms_min", ".3f", 9), ("1st ms", "first_replay_ms", ".2f", 9), ("/floor", "ratio_to_floor", ".3f", 7),
     ("us/brk", "extra_us_per_break", ".1f", 8), ("capt s", "capture_s", ".2f", 7), ("pool MiB", "pool_mib", ".1f", 9),
-    ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
+    ("pool/fl", "pool_ratio_to_floor", ".2f", 7), ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
     ("/fl pair", "ratio_to_floor_paired", ".3f", 8), ("/fc pair", "ratio_to_floor_compile_paired", ".3f", 8),
     ("compile s", "compile_s", ".2f", 9),
 )
