@@ -25,9 +25,10 @@ from bcg.errors import (
     StreamForkError,
 )
 from bcg.graph import BreakableGraph, GraphStats
-from bcg.live import live, live_scope
+from bcg.staging import StagingBuffer
+from bcg.breakpoint import live, live_scope
 from bcg.make_graph import make_graph
-from bcg.memory import graph_pool_handle
+from bcg.pool import graph_pool_handle
 from bcg.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
 from bcg.runner import GraphRunner
 from bcg.verify import VerificationError, VerifyReport, verify
@@ -48,6 +49,7 @@ __all__ = [
     "LiveReadInSegmentError",
     "NestedCaptureError",
     "ReplayError",
+    "StagingBuffer",
     "StreamForkError",
     "VerificationError",
     "VerifyReport",

@@ -1,31 +1,297 @@
-"""``@bcg.breakpoint`` and ``bcg.graph_break()``: where a capture splits into segments."""
+"""Breakpoints: ``@bcg.breakpoint``, the live metadata they read, and the recorder that sees them.
+
+* :func:`breakpoint` marks a function as work that runs eagerly at every replay
+  (or, *staged*, inline in the graph; see :mod:`bcg.staging`);
+  :class:`BreakpointSpec` is what the library knows about one.
+* :func:`live` is the per-replay host metadata breakpoints read. It is carried
+  by a :class:`contextvars.ContextVar`, so it is thread- and reentrancy-safe.
+* The *active recorder* (another ContextVar) is whoever is capturing or
+  eagerly recording on this context: the capture, eager-mode recording and
+  replay, the runner's warm-ups, verify's reference run. ``None`` means a
+  breakpoint is a plain call. Every recorder derives from :class:`Recorder`,
+  which owns the rules they share.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+import inspect
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
+from torch.utils import _pytree as pytree
 
-from bcg.breakpoint_spec import BreakpointSpec, normalize_mutates
-from bcg.recorder import ACTIVE
+from bcg.errors import LiveReadInSegmentError, user_line
 
-try:  # one C call, ~50 ns: is a Dynamo frame callback installed right now?
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-
-    def _dynamo_active() -> bool:
-        return _eval_frame_callback() is not None
-except ImportError:  # pragma: no cover - torch without Dynamo's C hooks: always play safe
-
-    def _dynamo_active() -> bool:
-        return True
+# -- live metadata ---------------------------------------------------------------------------
 
 
-def _dynamo_skip(fn: Callable[..., Any]) -> None:
-    from torch._dynamo.decorators import skip
+class _Unset:
+    """The type of :data:`UNSET`, "no value given" (``None`` is a valid live value).
 
-    skip(fn)
+    One instance; compared by identity (``is UNSET``). Its repr makes signatures
+    read ``live=<unset>``; copies are the instance itself.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __copy__(self) -> _Unset:
+        return self
+
+    def __deepcopy__(self, memo: object) -> _Unset:
+        return self
+
+
+UNSET: Any = _Unset()
+_LIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_live", default=UNSET)
+
+
+def live(default: Any = UNSET, *, static_ok: bool = False) -> Any:
+    """Return this replay's live metadata.
+
+    Inside a breakpoint this is what was passed to ``graph.replay(live=...)``;
+    during capture it is what was passed to ``bcg.capture(..., live=...)``; in a
+    plain eager run it is what :func:`live_scope` set. Inside a staged
+    breakpoint running inline, it is what its ``prepare`` returned at capture.
+
+    Arguments:
+        default: returned when no live metadata is set (otherwise ``LookupError``).
+        static_ok: allow a read from code between breakpoints while it is being
+            captured (or recorded in eager mode). Such code runs once, at capture:
+            whatever it derives from the value is frozen into the graph. Pass
+            ``True`` only for fields that never change for this graph.
+
+    .. warning::
+        Read per-replay values only inside ``@bcg.breakpoint`` functions. A read
+        from segment code during a capture raises :class:`bcg.LiveReadInSegmentError`
+        naming the line, unless ``static_ok=True``.
+    """
+    if not static_ok:
+        recorder = ACTIVE.get()
+        if recorder is not None and recorder.in_segment:
+            where = user_line(traceback.extract_stack()[:-1])
+            raise LiveReadInSegmentError(
+                f"bcg.live() was read{' at ' + where if where else ''} by code between breakpoints "
+                f"while {recorder.segment_label} was being recorded: its value would be frozen into the "
+                "graph, and every replay would reuse the capture-time metadata. Move the code that "
+                "depends on it into a @bcg.breakpoint function (it runs at every replay), or, if it only "
+                "reads fields that never change for this graph, call bcg.live(static_ok=True)."
+            )
+    value = _LIVE.get()
+    if value is UNSET:
+        if default is not UNSET:
+            return default
+        raise LookupError(
+            "bcg.live() was called with no live metadata set: pass live=... to "
+            "bcg.capture()/graph.replay(), or wrap an eager run in bcg.live_scope(meta)"
+        )
+    return value
+
+
+@contextlib.contextmanager
+def live_scope(value: Any) -> Iterator[Any]:
+    """Make ``value`` what :func:`live` returns inside this block (for eager runs).
+
+    ``UNSET`` (library use) leaves the current value as it is.
+    """
+    token = _LIVE.set(value) if value is not UNSET else None
+    try:
+        yield value
+    finally:
+        if token is not None:
+            _LIVE.reset(token)
+
+
+def set_live(value: Any) -> contextvars.Token[Any] | None:
+    """Set the live metadata (``UNSET``: leave it); the token goes to :func:`reset_live`.
+
+    The replay loop's form of :func:`live_scope`, without a generator frame.
+    """
+    return _LIVE.set(value) if value is not UNSET else None
+
+
+def reset_live(token: contextvars.Token[Any] | None) -> None:
+    if token is not None:
+        _LIVE.reset(token)
+
+
+# -- what is known about one breakpoint ---------------------------------------------------------
+
+
+def normalize_mutates(fn: Callable[..., Any], mutates: Any) -> tuple[str, ...] | None:
+    """``mutates`` as a tuple of parameter names of ``fn``, checked against its signature.
+
+    A single string is one name. Raises ``TypeError`` naming what is wrong: an
+    entry that is not a string, or a name ``fn`` has no parameter for (allowed
+    only when ``fn`` takes ``**kwargs``).
+    """
+    if mutates is None:
+        return None
+    names = (mutates,) if isinstance(mutates, str) else tuple(mutates)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"mutates must name parameters (strings), got {name!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and C functions: nothing to check against
+        return names
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return names
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        qualname = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"@bcg.breakpoint(mutates=...) names {', '.join(map(repr, unknown))}, which "
+            f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} of "
+            f"{qualname}({', '.join(params)}); name the arguments the function writes in place"
+        )
+    return names
+
+
+@dataclass(frozen=True, eq=False)
+class BreakpointSpec:
+    """A breakpoint: the eager function, its optional capture stub, and a name.
+
+    ``enabled`` is a bool or a zero-argument callable asked at each capture-time
+    call; a disabled breakpoint is captured into the segment like any code.
+    ``mutates`` names the arguments it writes in place (``None``: any of them).
+    ``prepare`` and ``fits`` make it *staged* (see :mod:`bcg.staging`). Build
+    specs through :func:`bcg.breakpoint`, which checks them.
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    enabled: bool | Callable[[], bool] = True
+    capture_stub: Callable[..., Any] | None = None
+    mutates: tuple[str, ...] | None = None
+    prepare: Callable[[Any], Any] | None = None
+    fits: Callable[[Any], bool] | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self.prepare is not None
+
+    def is_enabled(self) -> bool:
+        return bool(self.enabled() if callable(self.enabled) else self.enabled)
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.fn)
+
+    def mutated_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensor arguments this breakpoint writes: those named in ``mutates``, else all."""
+        if self.mutates is None:
+            leaves = pytree.tree_leaves((args, kwargs))
+        else:
+            params = self._signature.parameters
+            bound = self._signature.bind(*args, **kwargs).arguments
+            extra: dict[str, Any] = next(
+                (v for k, v in bound.items() if params[k].kind is inspect.Parameter.VAR_KEYWORD), {}
+            )
+            leaves = pytree.tree_leaves([bound[n] if n in bound else extra.get(n) for n in self.mutates])
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+# -- the active recorder ----------------------------------------------------------------------------
+
+
+class Recorder:
+    """Base of the active recorders.
+
+    A disabled breakpoint, or one called from inside another breakpoint, is
+    plain code. Subclasses implement :meth:`on_breakpoint` (an enabled
+    breakpoint called from segment code), and may override :meth:`on_staged`
+    (a staged one; default: the breakable form, as :meth:`on_breakpoint`) and
+    :meth:`on_graph_break`; they run the breakpoint's function through
+    :meth:`run_breakpoint`, which makes ``in_segment`` false while it runs
+    (:func:`live` refuses reads otherwise).
+    """
+
+    #: What ``bcg.live()`` errors call the code being recorded ("graph segment 3", ...).
+    segment_label = "a graph segment"
+
+    def __init__(self) -> None:
+        self.in_segment = True
+
+    def call_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.in_segment or not spec.is_enabled():
+            return spec.fn(*args, **kwargs)  # nested in a breakpoint, or disabled: plain code
+        if spec.prepare is not None:
+            return self.on_staged(spec, args, kwargs)
+        return self.on_breakpoint(spec, args, kwargs)
+
+    def graph_break(self) -> None:
+        if self.in_segment:
+            self.on_graph_break()
+
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.on_breakpoint(spec, args, kwargs)
+
+    def on_graph_break(self) -> None:
+        pass
+
+    def run_breakpoint(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], live: Any = UNSET) -> Any:
+        """``fn(*args, **kwargs)`` as breakpoint code: ``bcg.live()`` may be read inside
+        (and returns ``live``, when given)."""
+        self.in_segment = False
+        token = set_live(live)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            reset_live(token)
+            self.in_segment = True
+
+
+ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("bcg_active_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder | None, live: Any = UNSET) -> Iterator[None]:
+    """Make ``recorder`` the active recorder (and ``live`` the live metadata, unless ``UNSET``) in the block."""
+    token = ACTIVE.set(recorder)
+    live_token = set_live(live)
+    try:
+        yield
+    finally:
+        reset_live(live_token)
+        ACTIVE.reset(token)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def crossing_tensors(
+    results: list[torch.Tensor], spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors crossing a breakpoint: its results, then its mutated arguments, each object once.
+
+    This order is the contract of ``bcg.capture(after_breakpoint=...)``; the
+    runner's eager warm-ups compute the same list so that the ``k``-th list of
+    an eager run lines up with the ``k``-th of a capture.
+    """
+    seen: set[int] = set()
+    out = []
+    for t in results + spec.mutated_tensors(args, kwargs):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+# -- the decorator ------------------------------------------------------------------------------------
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,6 +305,8 @@ def breakpoint(
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
     mutates: str | tuple[str, ...] | None = None,
+    prepare: Callable[[Any], Any] | None = None,
+    fits: Callable[[Any], bool] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -50,30 +318,49 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     capture_stub: Callable[..., Any] | None = None,
     name: str | None = None,
     mutates: str | tuple[str, ...] | None = None,
+    prepare: Callable[[Any], Any] | None = None,
+    fits: Callable[[Any], bool] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
     Outside a capture the decorated function is a plain call. Inside
     ``bcg.capture`` it ends the current segment, runs eagerly (``capture_stub``
     instead, if given: it must return the same structure, shapes and dtypes),
-    and a new segment begins. Constraints:
+    and a new segment begins.
 
-    * Tensor arguments are held by the graph and passed again, at the same
-      addresses, at every replay: write results into them in place, or return
-      tensors (each is copied into a graph-owned *bridge* buffer at replay).
-    * Non-tensor return values are frozen at capture; a replay returning a
-      different value, structure, shape or dtype raises ``BreakpointOutputMismatch``.
-    * Read per-replay host data with :func:`bcg.live`, never from closures.
-    * ``mutates`` names the parameters written in place (a name or a tuple of
-      names, checked against the signature: ``TypeError`` otherwise; default:
-      any tensor argument may be); padding sanitizers run on exactly those.
-    * A result that is one of its tensor arguments exactly (same storage,
-      offset, shape, strides, dtype) is taken as written in place and must be
-      that same argument at every replay; any other result, views of arguments
-      included, is copied into a bridge.
-    * Inside ``torch.compile``d code a breakpoint is a Dynamo graph break: it is
-      never traced and runs eagerly with Dynamo off.
+    Arguments:
+        enabled: a bool, or a zero-argument callable asked at each capture-time
+            call; a disabled breakpoint is captured into the segment like any code.
+        capture_stub: run instead of ``fn`` during capture.
+        name: for messages and stats (default: the function's qualified name).
+        mutates: the parameters written in place (a name or a tuple of names,
+            checked against the signature: ``TypeError`` otherwise; default:
+            any tensor argument may be); padding sanitizers run on exactly those.
+        prepare, fits: make the breakpoint *staged*: captured inline, reading
+            metadata that ``prepare(live)`` stages in static buffers at every
+            replay, whenever ``fits(live)``; see :mod:`bcg.staging` for the contract.
+
+    Constraints:
+        * Tensor arguments are held by the graph and passed again, at the same
+          addresses, at every replay: write results into them in place, or return
+          tensors (each is copied into a graph-owned *bridge* buffer at replay).
+        * Non-tensor return values are frozen at capture; a replay returning a
+          different value, structure, shape or dtype raises ``BreakpointOutputMismatch``.
+        * Read per-replay host data with :func:`bcg.live`, never from closures.
+        * A result that is one of its tensor arguments exactly (same storage,
+          offset, shape, strides, dtype) is taken as written in place and must be
+          that same argument at every replay; any other result, views of arguments
+          included, is copied into a bridge.
+        * Inside ``torch.compile``d code a breakpoint is a Dynamo graph break
+          (``torch.compiler.disable``): it is never traced and runs eagerly.
     """
+    if (prepare is None) != (fits is None):
+        raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
+    if capture_stub is not None and prepare is not None:
+        raise TypeError(
+            "@bcg.breakpoint: a staged breakpoint (prepare=/fits=) is captured by running its function "
+            "inline, so it takes no capture_stub"
+        )
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         spec = BreakpointSpec(
@@ -82,27 +369,22 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             enabled=enabled,
             capture_stub=capture_stub,
             mutates=normalize_mutates(f, mutates),
+            prepare=prepare,
+            fits=fits,
         )
         active = ACTIVE.get
 
-        def call(*args: Any, **kwargs: Any) -> Any:
+        # torch.compiler.disable: inside compiled code, a graph break Dynamo never traces into.
+        # It costs about 1 us per call (measured on CPU, torch 2.13), and replays do not go
+        # through this wrapper: they call the function directly.
+        @torch.compiler.disable
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             recorder = active()
             if recorder is None:
                 return f(*args, **kwargs)
             return recorder.call_breakpoint(spec, args, kwargs)
 
-        uncompiled = torch.compiler.disable(call)
-
-        @functools.wraps(f)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _dynamo_active():  # called from torch.compile'd code: run it all with Dynamo off
-                return uncompiled(*args, **kwargs)
-            return call(*args, **kwargs)
-
-        # Dynamo sees a disabled function (a graph break, never traced into) and never
-        # compiles the wrapper's own frame when compiled code calls it.
-        _dynamo_skip(wrapper)
-        wrapper._torchdynamo_orig_callable = f  # type: ignore[attr-defined]
+        functools.update_wrapper(wrapper, f)
         wrapper.__bcg_breakpoint__ = spec  # type: ignore[attr-defined]
         return wrapper
 

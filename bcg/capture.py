@@ -25,7 +25,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg import cudart
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import (
+    ACTIVE,
+    UNSET,
+    BreakpointSpec,
+    Recorder,
+    crossing_tensors,
+    live,
+    reset_live,
+    set_live,
+    tensor_leaves,
+)
 from bcg.bridge import BridgeSet
 from bcg.compiled import CompileWatch
 from bcg.debug import Guards, Poison
@@ -40,11 +50,9 @@ from bcg.errors import (
     add_note,
     user_line,
 )
-from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolAnchor, PoolHandle, graph_pool_handle, pool_bytes
-from bcg.ownership import OWNERSHIPS, Ownership, PoolMembership
-from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.recorder import ACTIVE, Recorder, crossing_tensors
+from bcg.plan import BreakpointStep, GraphParts, SegmentStep, Step
+from bcg.staging import Stager, stage
+from bcg.pool import OWNERSHIPS, Ownership, PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 
 if TYPE_CHECKING:
     from bcg.graph import BreakableGraph
@@ -150,12 +158,15 @@ class CaptureSession(Recorder):
         ownership: Ownership = "pool",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         owns_pool: bool = True,
+        inline: bool = True,
     ) -> None:
         super().__init__()
+        self.inline = inline
+        self.stager = Stager()
+        self._staged: dict[int, Any] = {}  # id(prepare) -> what it returned at capture
         self.pool = pool
         self.owns_pool = owns_pool
-        self.pool_ref = PoolAnchor(device, pool, stream)
-        self.empty_segments: list[torch.cuda.CUDAGraph] = []
+        self.lease = PoolLease(device, pool, stream)
         self._membership = PoolMembership(pool, device) if ownership == "pool" else None
         self._after_breakpoint = after_breakpoint
         self.stream = stream
@@ -201,8 +212,8 @@ class CaptureSession(Recorder):
         nodes = sum(counts.values())
         if nodes == 0:
             # Consecutive breakpoints: no launch. Kept (not reset) until the graph is,
-            # since resetting drops a count on the pool (see PoolAnchor).
-            self.empty_segments.append(graph)
+            # since resetting drops a count on the pool (see PoolLease).
+            self.lease.keep(graph)
             return
         graph.instantiate()
         cudart.upload(int(graph.raw_cuda_graph_exec()), self.stream_handle)
@@ -227,7 +238,7 @@ class CaptureSession(Recorder):
         except BaseException as exc:
             add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise
-        with self.pool_ref.allocating():
+        with self.lease.allocating():
             bridges = BridgeSet(spec.name, result, args, kwargs)
         caller_result = bridges.caller_result()
         crossing = crossing_tensors(bridges.tensors(), spec, args, kwargs)
@@ -244,6 +255,32 @@ class CaptureSession(Recorder):
         if self._after_breakpoint is not None:
             self._after_breakpoint(crossing)  # captured at the start of the next segment
         return caller_result
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A staged breakpoint, inline: its ``prepare``'s uploads and its kernels join the segment."""
+        if not self.inline:
+            return self.on_breakpoint(spec, args, kwargs)
+        assert spec.fits is not None and spec.prepare is not None
+        value = live(UNSET, static_ok=True)
+        if not spec.fits(value):
+            raise CaptureError(
+                f"staged breakpoint {spec.name!r}: the capture's live metadata does not fit its static "
+                "bounds (fits() returned False), so it cannot be captured inline. Capture with live "
+                "metadata that fits (the bucket's own), or capture with inline=False"
+            )
+        if self.stager.add(spec):
+            staged, written = self.run_breakpoint(stage, (spec, value), {})
+            for buf in written:
+                buf.upload()  # captured: the graph copies the host value in at every replay
+            self._staged[id(spec.prepare)] = staged
+        try:
+            result = self.run_breakpoint(spec.fn, args, kwargs, live=self._staged[id(spec.prepare)])
+        except BaseException as exc:
+            add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
+            raise
+        if self._after_breakpoint is not None:
+            self._after_breakpoint(crossing_tensors(tensor_leaves(result), spec, args, kwargs))
+        return result
 
     def on_graph_break(self) -> None:
         self.close_segment("bcg.graph_break()")
@@ -302,11 +339,8 @@ class CaptureSession(Recorder):
         for step in self.plan:
             step.release()
         self.plan.clear()
-        for empty in self.empty_segments:
-            empty.reset()
-        self.empty_segments.clear()
         if self.owns_pool:
-            self.pool_ref.release()
+            self.lease.release()
             torch.cuda.empty_cache()  # an abandoned pool of our own goes back to the driver
 
 
@@ -322,7 +356,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         capture_error_mode: as in ``torch.cuda.graph``.
         live: what :func:`bcg.live` returns inside breakpoints during capture.
         ownership: who keeps breakpoint arguments and bridges alive (see
-            :mod:`bcg.ownership`).
+            :mod:`bcg.pool`).
         after_breakpoint: called inside the segment after each breakpoint with
             the tensors crossing it (bridges and mutated arguments); its CUDA
             work is captured there.
@@ -331,6 +365,12 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             keep their captured address and layout (default: env ``BCG_GUARDS``).
         poison: fill the pool's free memory with NaN before each replay
             (default: env ``BCG_POISON``; see :mod:`bcg.debug`).
+        inline: capture staged breakpoints (``prepare=``/``fits=``) inline, in
+            the segment (default); ``False`` captures them as breakpoints (the
+            breakable form). A graph with inline breakpoints replays only
+            metadata that fits, unless it has a fallback (see
+            :meth:`bcg.BreakableGraph.set_fallback`; ``make_graph`` and
+            ``GraphRunner`` capture one).
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -358,12 +398,13 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         pool: PoolHandle | None = None,
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
-        live: Any = _UNSET,
+        live: Any = UNSET,
         ownership: Ownership = "pool",
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         inputs: Any = None,
         guards: bool | None = None,
         poison: bool | None = None,
+        inline: bool = True,
     ) -> None:
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
@@ -379,6 +420,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._inputs = inputs
         self._guards = env_flag("BCG_GUARDS") if guards is None else guards
         self._poison = env_flag("BCG_POISON") if poison is None else poison
+        self._inline = inline
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -412,7 +454,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             self._ambient = torch.cuda.current_stream(device)
             stream.wait_stream(self._ambient)
             self._session = CaptureSession(
-                pool, stream, self._mode, device, self._ownership, self._after_breakpoint, owns_pool=self._pool is None
+                pool, stream, self._mode, device, self._ownership, self._after_breakpoint,
+                owns_pool=self._pool is None, inline=self._inline,
             )
         except BaseException:
             _PROCESS.lock.release()
@@ -420,7 +463,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
-        self._live_token = set_live(self._live) if self._live is not _UNSET else None
+        self._live_token = set_live(self._live)
         self._compile_watch = CompileWatch().__enter__()
         _PROCESS.pause_gc()  # see _ProcessCaptureState
         self._t0 = time.perf_counter()
@@ -449,16 +492,18 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             try:
                 self._ambient.wait_stream(session.stream)
                 pool_resident = session.pool_resident_tensors() if self._poison or self._ownership == "graph" else []
-                self.graph._install(
-                    session.plan,
-                    pool=session.pool,
-                    device=session.device,
-                    capture_s=capture_s,
-                    pool_ref=session.pool_ref,
-                    keepalive=session.empty_segments,
-                    guards=self._build_guards(session) if self._guards else None,
-                    poison=self._build_poison(pool_resident, session) if self._poison else None,
-                    held_bytes=self._held_bytes(pool_resident, session),
+                self.graph.install(
+                    GraphParts(
+                        plan=session.plan,
+                        capture_s=capture_s,
+                        pool=session.pool,
+                        device=session.device,
+                        lease=session.lease,
+                        guards=self._build_guards(session) if self._guards else None,
+                        poison=self._build_poison(pool_resident, session) if self._poison else None,
+                        held_bytes=self._held_bytes(pool_resident, session),
+                        stager=session.stager or None,
+                    )
                 )
             finally:
                 self._restore()
@@ -509,8 +554,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         try:
             _PROCESS.resume_gc()
             self._compile_watch.__exit__(None, None, None)
-            if self._live_token is not None:
-                reset_live(self._live_token)
+            reset_live(self._live_token)
             ACTIVE.reset(self._active_token)
             self._stream_ctx.__exit__(None, None, None)
         finally:
@@ -533,7 +577,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 # A pool the caller gave us stays usable: torch refuses to capture into a pool
                 # whose count dropped to zero while tensors still live in it. The graph keeps
                 # the count until it is reset or captured again.
-                self.graph._hold_pool(session.pool_ref)
+                self.graph.hold(session.lease)
             try:
                 torch.cuda.synchronize(session.device)
             except RuntimeError:  # a sticky device error: the original exception says more

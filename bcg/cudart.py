@@ -165,3 +165,14 @@ def dot_print(graph: int, path: str) -> None:
     """Write ``graph`` as a DOT file (``cudaGraphDebugDotPrint``, verbose)."""
     rt = runtime()
     check(rt.cudaGraphDebugDotPrint(graph, path.encode(), rt.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose))
+
+
+def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` from pinned host memory ``src`` to device memory ``dst`` on ``stream``.
+
+    Straight to CUDA, not through ``Tensor.copy_``: torch's pinned-memory
+    allocator records an event on the stream for each such copy, which a
+    capture turns into a captured event the allocator later queries (an error).
+    """
+    rt = runtime()
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))

@@ -22,8 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.errors import ReplayError
-from bcg.memory import PoolHandle, blocks
-from bcg.ownership import non_owning_alias
+from bcg.pool import PoolHandle, poison_free_pool_memory
 
 
 class GuardError(ReplayError):
@@ -92,15 +91,4 @@ class Poison:
         return poison_free_pool_memory(self.pool, self.device)
 
 
-def poison_free_pool_memory(pool: PoolHandle, device: int) -> int:
-    """Fill every free block of ``pool`` with 0xFF bytes; return how many bytes."""
-    poisoned = 0
-    for address, size, in_use in blocks(device, pool):
-        if not in_use and size > 0:
-            storage = torch._C._construct_storage_from_data_pointer(address, torch.device("cuda", device), size)
-            torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (size,), (1,)).fill_(0xFF)
-            poisoned += size
-    return poisoned
-
-
-__all__ = ["GuardError", "Guards", "Poison", "non_owning_alias", "poison_free_pool_memory"]
+__all__ = ["GuardError", "Guards", "Poison"]

@@ -20,11 +20,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import BreakpointSpec, Recorder
 from bcg.bridge import BridgeSet
 from bcg.errors import BreakpointOutputMismatch, ReplayError
 from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.recorder import Recorder
+from bcg.staging import EagerStaging
 
 log = logging.getLogger("bcg")
 
@@ -54,6 +54,10 @@ class EagerRecorder(Recorder):
         self._counter = _OpCounter()
         self._segments = 0
         self._breakpoints = 0
+        self._staging = EagerStaging()
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._staging.call(self, spec, args, kwargs)  # inline: segment work, not a step
 
     def __enter__(self) -> EagerRecorder:
         self._counter.__enter__()
@@ -99,6 +103,10 @@ class EagerReplay(Recorder):
         super().__init__()
         self._steps = [s for s in plan if isinstance(s, BreakpointStep)]
         self._next = 0
+        self._staging = EagerStaging()
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._staging.call(self, spec, args, kwargs)
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         k = self._next

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,11 +13,11 @@ import torch.autograd.profiler as _profiler
 
 from bcg import cudart
 from bcg.capture import capture_lock
-from bcg.debug import Guards, Poison
+from bcg.eager import copy_outputs_into
 from bcg.errors import ReplayError
-from bcg.live import _UNSET, reset_live, set_live
-from bcg.memory import PoolHandle, PoolAnchor, pool_bytes
-from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.breakpoint import UNSET, reset_live, set_live
+from bcg.pool import PoolHandle, PoolLease, pool_bytes
+from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step
 from bcg.replay import Executor, make_executor, stream_readers
 
 _current_device, _ = stream_readers()
@@ -37,7 +37,9 @@ class GraphStats:
     under ``ownership="graph"``; 0 under ``"pool"``), which one
     ``torch.cuda.graph`` of the same work would reuse;
     ``pool_bytes_floor_estimate`` (``pool_bytes - held_bytes``) estimates that
-    graph's pool.
+    graph's pool. ``staged``: the staged breakpoints captured inline;
+    ``inline_replays``: replays that ran inline; ``fallback_replays``: replays
+    that ran the breakable form instead, by reason.
     """
 
     mode: str
@@ -50,6 +52,9 @@ class GraphStats:
     capture_s: float
     held_bytes: int = 0
     pool_bytes_floor_estimate: int = 0
+    staged: tuple[str, ...] = ()
+    inline_replays: int = 0
+    fallback_replays: dict[str, int] = field(default_factory=dict)
 
 
 class BreakableGraph:
@@ -61,59 +66,49 @@ class BreakableGraph:
     """
 
     def __init__(self) -> None:
+        self._parts = GraphParts(plan=(), capture_s=0.0)
         self._plan: tuple[Step, ...] = ()
         self._executor: Executor | None = None
-        self._mode = "graph"
-        self._pool: PoolHandle | None = None
-        self._device: int | None = None
-        self._capture_s = 0.0
+        self._lease: PoolLease | None = None  # held since an abandoned capture, or by the capture
         self._was_reset = False
-        self._rerun: Callable[[], None] | None = None
-        self._pool_ref: PoolAnchor | None = None
-        self._keepalive: list[torch.cuda.CUDAGraph] = []
-        self._guards: Guards | None = None
-        self._poison: Poison | None = None
-        self._fn: Callable[..., Any] | None = None
-        self._static_args: tuple[Any, ...] = ()
         self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
-        self._held_bytes = 0
+        self.source: GraphSource | None = None
         self.outputs: Any = None
+        self.fallback: BreakableGraph | None = None
+        self._inline_replays = 0
+        self._fallback_replays: dict[str, int] = {}
 
     # -- filled by capture / make_graph ----------------------------------------------
-    def _install(
-        self,
-        plan: Sequence[Step],
-        *,
-        pool: PoolHandle | None,
-        device: int | None,
-        capture_s: float,
-        mode: str = "graph",
-        rerun: Callable[[], None] | None = None,
-        pool_ref: PoolAnchor | None = None,
-        keepalive: Sequence[torch.cuda.CUDAGraph] = (),
-        guards: Guards | None = None,
-        poison: Poison | None = None,
-        held_bytes: int = 0,
-    ) -> None:
-        self._held_bytes = held_bytes
-        self._guards = guards if guards else None
-        self._poison = poison
-        self._plan = tuple(plan)
-        if self._pool_ref is not None and self._pool_ref is not pool_ref:
-            self._pool_ref.release()  # held since an abandoned capture
-        self._pool_ref = pool_ref
-        self._keepalive = list(keepalive)
-        self._mode = mode
-        self._pool = pool
-        self._device = device
-        self._capture_s = capture_s
-        self._rerun = rerun
+    def install(self, parts: GraphParts) -> None:
+        """Make this graph replay ``parts`` (``bcg.capture`` and ``bcg.make_graph`` call it)."""
+        self.hold(parts.lease)
+        self._parts = parts
+        self._plan = tuple(parts.plan)
         self._was_reset = False
-        self._executor = make_executor(self._plan) if mode == "graph" else None
+        self._executor = make_executor(self._plan) if parts.mode == "graph" else None
+
+    def set_fallback(self, graph: BreakableGraph) -> None:
+        """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.
+
+        ``graph`` must be captured from the same code and static inputs with
+        ``inline=False``, into this graph's pool; its outputs are copied into
+        this graph's ``outputs`` after it replays. ``reset()`` resets it too.
+        """
+        self.fallback = graph
+
+    def hold(self, lease: PoolLease | None) -> None:
+        """Keep ``lease`` (a share of the pool) until ``reset()``, releasing any other one held.
+
+        An abandoned capture into a caller's pool leaves its lease here, so that
+        the pool stays usable for the next capture.
+        """
+        if self._lease is not None and self._lease is not lease:
+            self._lease.release()
+        self._lease = lease
 
     def use_executor(self, name: str | None) -> None:
         """Replay with ``"python"`` or ``"native"`` (``None``: the best available, as by default)."""
-        if self._mode != "graph" or self._executor is None:
+        if self._executor is None:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
         self._executor = make_executor(self._plan, name)
 
@@ -122,21 +117,15 @@ class BreakableGraph:
         """Which executor replays this graph (``"python"`` or ``"native"``)."""
         return self._executor.name if self._executor is not None else "none"
 
-    def _hold_pool(self, anchor: PoolAnchor) -> None:
-        """Keep a caller's pool counted after an abandoned capture (released by reset())."""
-        if self._pool_ref is not None and self._pool_ref is not anchor:
-            self._pool_ref.release()
-        self._pool_ref = anchor
-
     # -- inspection ---------------------------------------------------------------------
     @property
     def is_captured(self) -> bool:
-        return self._executor is not None or self._rerun is not None
+        return self._executor is not None or self._parts.rerun is not None
 
     @property
     def mode(self) -> str:
         """``"graph"`` (CUDA graph segments) or ``"eager"`` (re-runs the function)."""
-        return self._mode
+        return self._parts.mode
 
     @property
     def plan(self) -> tuple[Step, ...]:
@@ -161,34 +150,38 @@ class BreakableGraph:
 
     @property
     def device(self) -> int | None:
-        return self._device
+        return self._parts.device
 
     def pool(self) -> PoolHandle:
         """The private memory pool token; pass it as ``pool=`` to share it with another graph."""
-        if self._pool is None:
+        if self._parts.pool is None:
             raise ReplayError("this graph has no memory pool: capture it first")
-        return self._pool
+        return self._parts.pool
 
     def stats(self) -> GraphStats:
         """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds."""
         segments = self.segments
-        graph_mode = self._mode == "graph"
-        pool = pool_bytes(self._pool, self._device) if graph_mode else 0
+        parts = self._parts
+        graph_mode = parts.mode == "graph"
+        pool = pool_bytes(parts.pool, parts.device) if graph_mode else 0
         return GraphStats(
-            mode=self._mode,
+            mode=parts.mode,
             segments=len(segments),
             breakpoints=self.num_breakpoints,
             kernel_nodes=tuple(s.kernel_nodes or 0 for s in segments) if graph_mode else None,
             aten_ops=None if graph_mode else tuple(s.nodes for s in segments),
             pool_bytes=pool,
             bridge_bytes=sum(b.bridges.nbytes for b in self.breakpoints if b.bridges is not None),
-            capture_s=self._capture_s,
-            held_bytes=self._held_bytes,
-            pool_bytes_floor_estimate=max(pool - self._held_bytes, 0),
+            capture_s=parts.capture_s,
+            held_bytes=parts.held_bytes,
+            pool_bytes_floor_estimate=max(pool - parts.held_bytes, 0),
+            staged=tuple(parts.stager.fits) if parts.stager is not None else (),
+            inline_replays=self._inline_replays,
+            fallback_replays=dict(self._fallback_replays),
         )
 
     # -- replay -------------------------------------------------------------------------
-    def replay(self, live: Any = _UNSET) -> Any:
+    def replay(self, live: Any = UNSET) -> Any:
         """Run segment, breakpoint, segment, ... on the current stream.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints during this
@@ -197,39 +190,64 @@ class BreakableGraph:
         code returned). A breakpoint that raises stops the replay; the graph
         stays replayable.
         """
-        if self._executor is None:
-            if self._rerun is None:
-                raise ReplayError(self._not_captured_message())
-        elif (device := _current_device()) != self._device:
-            raise ReplayError(
-                f"this graph was captured on cuda:{self._device} but the current device is "
-                f"cuda:{device}: replay it under torch.cuda.device({self._device})"
-            )
-        return self._replay_unchecked(live)
-
-    def _replay_unchecked(self, live: Any = _UNSET) -> Any:
-        """:meth:`replay` for a caller that has checked capture state and device (GraphRunner)."""
-        if self._guards is not None:
-            self._guards.check()
-        if self._poison is not None:
-            self._poison.apply()
         executor = self._executor
-        token = set_live(live) if live is not _UNSET else None
+        parts = self._parts
+        if executor is None:
+            if parts.rerun is None:
+                raise ReplayError(self._not_captured_message())
+        elif (device := _current_device()) != parts.device:
+            raise ReplayError(
+                f"this graph was captured on cuda:{parts.device} but the current device is "
+                f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
+            )
+        stager = parts.stager
+        if stager is not None:
+            reason = stager.misfit(live)
+            if reason is not None:
+                return self._replay_fallback(reason, live)
+            stager.prepare(live)  # host writes; the graph copies them in
+            self._inline_replays += 1
+        if parts.guards is not None:
+            parts.guards.check()
+        if parts.poison is not None:
+            parts.poison.apply()
+        token = set_live(live)
         self._replaying += 1
         try:
-            if executor is not None:
-                if _profiler._is_profiler_enabled:
-                    self._run_profiled()
-                else:
-                    executor.run()
+            if executor is None:
+                parts.rerun()  # type: ignore[misc]
+            elif _profiler._is_profiler_enabled:
+                self._run_profiled()
             else:
-                assert self._rerun is not None
-                self._rerun()
+                executor.run()
         finally:
             self._replaying -= 1
-            if token is not None:
-                reset_live(token)
+            reset_live(token)
         return self.outputs
+
+    def would_fall_back(self, live: Any) -> str | None:
+        """Why a replay with ``live`` would run the breakable form (staged metadata that does not fit); else None."""
+        stager = self._parts.stager
+        return stager.misfit(live) if stager is not None else None
+
+    def prepare_staged(self, live: Any) -> None:
+        """Run the staged breakpoints' ``prepare`` for ``live`` (what :meth:`replay` does before launching)."""
+        if self._parts.stager is not None:
+            self._parts.stager.prepare(live)
+
+    def _replay_fallback(self, reason: str, live: Any) -> Any:
+        """The breakable form's replay, for metadata outside the staged bounds; outputs copied back."""
+        if self.fallback is None:
+            raise ReplayError(
+                f"this replay's live metadata does not fit the graph's staged breakpoints ({reason}) and "
+                "the graph has no breakable form: capture one (bcg.capture(..., inline=False) into "
+                "graph.pool()) and attach it with graph.set_fallback(), or use bcg.make_graph / GraphRunner"
+            )
+        self._fallback_replays[reason] = self._fallback_replays.get(reason, 0) + 1
+        out = self.fallback.replay(live)
+        if self.outputs is not None and out is not None:
+            copy_outputs_into(self.outputs, out)
+        return self.outputs if self.outputs is not None else out
 
     def _run_profiled(self) -> None:
         """Replay with a ``record_function`` range per step (only while a profiler runs)."""
@@ -265,24 +283,21 @@ class BreakableGraph:
             self._release()
 
     def _release(self) -> None:
-        graph_mode = self._mode == "graph" and self._executor is not None
+        parts = self._parts
+        graph_mode = parts.mode == "graph" and self._executor is not None
         if graph_mode and torch.cuda.is_available():
-            torch.cuda.synchronize(self._device)  # no replay may still be reading what we free
+            torch.cuda.synchronize(parts.device)  # no replay may still be reading what we free
         for step in self._plan:
             step.release()
         self._plan = ()
         self._executor = None
-        self._rerun = None
-        self._guards = None
-        self._poison = None
-        self._fn, self._static_args = None, ()
-        self._held_bytes = 0
-        for empty in self._keepalive:
-            empty.reset()
-        self._keepalive = []
-        if self._pool_ref is not None:
-            self._pool_ref.release()
-            self._pool_ref = None
+        self._parts = GraphParts(plan=(), capture_s=0.0)
+        self.source = None
+        self.hold(None)
+        fallback, self.fallback = self.fallback, None
+        if fallback is not None:
+            fallback.reset()
+        self._inline_replays, self._fallback_replays = 0, {}
         self.outputs = None
         self._was_reset = True
         if graph_mode and torch.cuda.is_available():
@@ -311,7 +326,7 @@ class BreakableGraph:
 
     def dump_dot(self, directory: str | os.PathLike[str]) -> list[str]:
         """Write one DOT file per segment (``cudaGraphDebugDotPrint``); return their paths."""
-        if self._mode != "graph" or self._executor is None:
+        if self._executor is None:
             raise ReplayError("dump_dot needs a graph captured in graph mode")
         os.makedirs(directory, exist_ok=True)
         paths = []
@@ -324,6 +339,6 @@ class BreakableGraph:
     def __repr__(self) -> str:
         state = "captured" if self.is_captured else ("reset" if self._was_reset else "empty")
         return (
-            f"BreakableGraph({state}, mode={self._mode}, segments={self.num_segments}, "
+            f"BreakableGraph({state}, mode={self.mode}, segments={self.num_segments}, "
             f"breakpoints={self.num_breakpoints})"
         )

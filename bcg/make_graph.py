@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import warnings
@@ -11,12 +10,11 @@ from typing import Any
 
 import torch
 
+from bcg.breakpoint import UNSET, live_scope, recording
 from bcg.capture import capture, capture_lock, capture_stream
 from bcg.eager import EagerRecorder, EagerReplay, copy_outputs_into
-from bcg.graph import BreakableGraph
-from bcg.live import _UNSET, live_scope
-from bcg.memory import PoolHandle
-from bcg.recorder import ACTIVE
+from bcg.graph import BreakableGraph, GraphParts, GraphSource
+from bcg.pool import PoolHandle
 
 log = logging.getLogger("bcg")
 
@@ -27,7 +25,7 @@ def make_graph(
     fn: Callable[..., Any],
     *static_args: Any,
     mode: str = "graph",
-    live: Any = _UNSET,
+    live: Any = UNSET,
     pool: PoolHandle | None = None,
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
@@ -46,7 +44,10 @@ def make_graph(
     back to eager mode with a warning. Constraints: feed new inputs by writing
     into ``static_args`` in place; ``fn`` must return the same structure every run.
     ``ownership``, ``guards`` and ``poison`` are passed to :class:`bcg.capture`
-    (``static_args`` are the guarded inputs).
+    (``static_args`` are the guarded inputs). When ``fn`` calls staged
+    breakpoints (see :mod:`bcg.staging`), the graph captures them inline and
+    also holds its breakable form, in the same pool, which replays whenever
+    the live metadata does not fit; ``outputs`` are the same tensors either way.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
@@ -59,55 +60,48 @@ def make_graph(
         )
         mode = "eager"
     graph = BreakableGraph()
-    live_ctx = live_scope(live) if live is not _UNSET else contextlib.nullcontext()
+    source = GraphSource(fn, static_args)
     if mode == "eager":
         t0 = time.perf_counter()
         recorder = EagerRecorder()
-        token = ACTIVE.set(recorder)
-        try:
-            with live_ctx, recorder:
-                outputs = fn(*static_args)
-        finally:
-            ACTIVE.reset(token)
+        with recording(recorder, live), recorder:
+            outputs = source()
 
         def rerun() -> None:
             checker = EagerReplay(graph.plan)
-            token = ACTIVE.set(checker)
-            try:
-                result = fn(*static_args)
-            finally:
-                ACTIVE.reset(token)
+            with recording(checker):
+                result = source()
             checker.finish()
             copy_outputs_into(graph.outputs, result)
 
-        graph._install(recorder.plan, pool=None, device=None, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun)
-        graph.outputs = outputs
-        graph._fn, graph._static_args = fn, static_args
+        graph.install(GraphParts(recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun))
         log.info(
             "bcg: recorded %d segment(s) and %d breakpoint(s) in eager mode in %.3f s",
             graph.num_segments, graph.num_breakpoints, graph.stats().capture_s,
         )
-        return graph
-
-    with capture_lock():  # the warm-up runs on the shared capture stream: no other capture meanwhile
-        stream = stream if stream is not None else capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), live_ctx:
-            for _ in range(warmup):
-                fn(*static_args)
-        with capture(
-            graph,
-            pool=pool,
-            stream=stream,
-            capture_error_mode=capture_error_mode,
-            live=live,
-            ownership=ownership,  # type: ignore[arg-type]
-            inputs=static_args,
-            guards=guards,
-            poison=poison,
-        ):
-            outputs = fn(*static_args)
+    else:
+        with capture_lock():  # the warm-up runs on the shared capture stream: no other capture meanwhile
+            stream = stream if stream is not None else capture_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), live_scope(live):
+                for _ in range(warmup):
+                    source()
+            options: dict[str, Any] = dict(
+                stream=stream,
+                capture_error_mode=capture_error_mode,
+                live=live,
+                ownership=ownership,
+                inputs=static_args,
+                guards=guards,
+                poison=poison,
+            )
+            with capture(graph, pool=pool, **options):
+                outputs = source()
+            if graph.stats().staged:  # the breakable form, for metadata outside the staged bounds
+                fallback = BreakableGraph()
+                with capture(fallback, pool=graph.pool(), inline=False, **options):
+                    fallback.outputs = source()
+                graph.set_fallback(fallback)
     graph.outputs = outputs
-    graph._fn, graph._static_args = fn, static_args
+    graph.source = source
     return graph
-

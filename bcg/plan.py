@@ -1,4 +1,5 @@
-"""The replay plan: an explicit list of steps, segment, breakpoint, segment, ...
+"""The replay plan: an explicit list of steps, segment, breakpoint, segment, ...; and
+:class:`GraphParts`, everything a capture hands to the graph that replays it.
 
 Each step exposes ``launch``, a zero-argument callable that performs it on the
 current stream. The plan holds strong references to everything a replay
@@ -11,12 +12,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import BreakpointSpec
 from bcg.bridge import BridgeSet
+
+if TYPE_CHECKING:
+    from bcg.debug import Guards, Poison
+    from bcg.pool import PoolHandle, PoolLease
+    from bcg.staging import Stager
 
 
 @dataclass(eq=False)
@@ -107,3 +113,39 @@ def _make_runner(step: BreakpointStep) -> Callable[[], None]:
 
 
 Step = Union[SegmentStep, BreakpointStep]
+
+
+@dataclass
+class GraphParts:
+    """What a capture (or an eager-mode recording) hands to :meth:`BreakableGraph.install`.
+
+    ``plan``: the steps in stream order. ``lease``: the graph's share of ``pool``
+    (released by ``reset()``). ``rerun``: eager mode's replay (re-runs the
+    function). ``guards``/``poison``: the debugging aids checked before each
+    replay. ``held_bytes``: pool bytes the plan keeps alive itself.
+    ``stager``: the staged breakpoints captured inline (asked and prepared
+    before each launch).
+    """
+
+    plan: Sequence[Step]
+    capture_s: float
+    mode: str = "graph"
+    pool: PoolHandle | None = None
+    device: int | None = None
+    lease: PoolLease | None = None
+    rerun: Callable[[], None] | None = None
+    guards: Guards | None = None
+    poison: Poison | None = None
+    held_bytes: int = 0
+    stager: Stager | None = None
+
+
+@dataclass(frozen=True)
+class GraphSource:
+    """The function and static arguments a graph was captured from; calling it runs them eagerly."""
+
+    fn: Callable[..., Any]
+    static_args: tuple[Any, ...] = field(default=())
+
+    def __call__(self) -> Any:
+        return self.fn(*self.static_args)

@@ -17,13 +17,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import BreakpointSpec, Recorder, live_scope, recording
+from bcg.eager import copy_outputs_into
 from bcg.errors import BcgError
 from bcg.graph import BreakableGraph
-from bcg.live import live_scope
 from bcg.make_graph import make_graph
-from bcg.plan import BreakpointStep, SegmentStep
-from bcg.recorder import ACTIVE, Recorder
+from bcg.plan import BreakpointStep, GraphSource, SegmentStep
 
 log = logging.getLogger("bcg")
 
@@ -56,9 +55,15 @@ class _EagerTapRecorder(Recorder):
 
     segment_label = "the eager reference run of bcg.verify"
 
-    def __init__(self) -> None:
+    def __init__(self, inline: bool) -> None:
         super().__init__()
         self.taps: list[_Tap] = []
+        self._inline = inline
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._inline:  # captured inside a segment: compared through what reads its results
+            return self.run_breakpoint(spec.fn, args, kwargs)
+        return self.on_breakpoint(spec, args, kwargs)
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tap = _Tap(spec.name, _read_tensors(spec, args, kwargs))
@@ -155,12 +160,12 @@ def verify(
         raise ValueError("verify needs at least one live sample")
     if isinstance(fn, BreakableGraph):
         graph = fn
-        if graph._fn is None:
-            raise ValueError("verify needs a graph made by bcg.make_graph (it must know its function and inputs)")
     else:
         graph = make_graph(fn, *make_inputs(), live=live_samples[0], **make_graph_kwargs)
-    func, static = graph._fn, graph._static_args
-    assert func is not None
+    source = graph.source
+    if source is None:
+        raise ValueError("verify needs a graph made by bcg.make_graph (it must know its function and inputs)")
+    static = source.static_args
     mismatches: list[Mismatch] = []
     for i, live in enumerate(live_samples):
         fresh = make_inputs()
@@ -168,10 +173,10 @@ def verify(
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
         saved = _tensors(static)
-        replay_taps, replay_out = _tapped_replay(graph, live)
+        replay_taps, replay_out, inline = _tapped_replay(graph, live)
         for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
             dst.copy_(src)
-        eager_taps, eager_out = _tapped_eager(func, static, live)
+        eager_taps, eager_out = _tapped_eager(source, live, inline)
         found = _compare(graph, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
@@ -183,14 +188,23 @@ def verify(
     return report
 
 
-def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor]]:
+def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor], bool]:
+    """The replay's taps and outputs, and whether staged breakpoints ran inline."""
     if graph.mode != "graph":
-        taps, _ = _tapped_eager(graph._fn, graph._static_args, live)  # type: ignore[arg-type]
+        assert graph.source is not None
+        taps, _ = _tapped_eager(graph.source, live, inline=True)
         graph.replay(live=live)
-        return taps, _tensors(graph.outputs)
+        return taps, _tensors(graph.outputs), True
+    plan, inline = graph.plan, True
+    if graph.would_fall_back(live) is not None:
+        if graph.fallback is None:
+            graph.replay(live)  # raises: says why, and what to do
+        plan, inline = graph.fallback.plan, False  # type: ignore[union-attr]
+    else:
+        graph.prepare_staged(live)
     taps: list[_Tap] = []
     with live_scope(live):
-        for step in graph.plan:
+        for step in plan:
             if isinstance(step, BreakpointStep):
                 tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
                 step.launch()
@@ -199,17 +213,15 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
                 taps.append(tap)
             else:
                 step.launch()
-    return taps, _tensors(graph.outputs)
+    if plan is not graph.plan and graph.outputs is not None:
+        copy_outputs_into(graph.outputs, graph.fallback.outputs)  # type: ignore[union-attr]
+    return taps, _tensors(graph.outputs), inline
 
 
-def _tapped_eager(func: Callable[..., Any], static: tuple[Any, ...], live: Any) -> tuple[list[_Tap], list[torch.Tensor]]:
-    recorder = _EagerTapRecorder()
-    token = ACTIVE.set(recorder)
-    try:
-        with live_scope(live):
-            out = func(*static)
-    finally:
-        ACTIVE.reset(token)
+def _tapped_eager(source: GraphSource, live: Any, inline: bool) -> tuple[list[_Tap], list[torch.Tensor]]:
+    recorder = _EagerTapRecorder(inline)
+    with recording(recorder, live):
+        out = source()
     return recorder.taps, _tensors(out)
 
 

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 import bcg
-from bcg.bench import cli, modes, report
+from bcg.bench import cli, modes, registry, report
 from bcg.bench.timing import sample_ms
 from bcg.bench.workloads import llama
 
 # variants of the registered modes, to split the runner's cost from the library's
-VARIANTS: dict[str, Callable[[Any, modes.BuildContext], modes.Built]] = {
+VARIANTS: dict[str, Callable[[Any, registry.BuildContext], registry.Built]] = {
     "bcg-graph-compile": lambda case, ctx: modes._bcg_graph(case, ctx, None, compiled=True),
     "bcg-compile-nosanitize": lambda case, ctx: modes._bcg_runner(case, ctx, None, compiled=True, sanitize=False),
 }
@@ -152,10 +152,10 @@ def main() -> None:
           flush=True)
     cycles_per_ms = _spin_cycles_per_ms()
     for mode in ns.modes.split(","):
-        build = VARIANTS.get(mode) or modes.MODES[mode].build
+        build = VARIANTS.get(mode) or registry.MODES[mode].build
         try:
-            built = build(case, modes.BuildContext())
-        except modes.NotApplicable as exc:
+            built = build(case, registry.BuildContext())
+        except registry.NotApplicable as exc:
             print(f"{mode}: skipped ({exc})")
             continue
         try:

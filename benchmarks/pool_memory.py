@@ -29,7 +29,7 @@ import torch
 import bcg
 from bcg.bench.workloads import llama
 from bcg.capture import capture_stream
-from bcg.memory import blocks, pool_bytes
+from bcg.pool import blocks, pool_bytes
 
 MiB = 2**20
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import bcg
-from bcg.bench import cli, modes, report
+from bcg.bench import cli, modes, registry, report
 from bcg.bench.timing import rel_err
 from bcg.bench.workloads import llama, micro
 
@@ -72,7 +72,7 @@ def test_lists_and_overrides(tmp_path: Path) -> None:
     assert llama.shape(args) == {
         "layers": 3, "hidden": 256, "heads": 4, "kv_heads": 4, "intermediate": 512, "head_dim": 64,
     }
-    assert cli.parse_args(["--modes", "all"]).modes == list(modes.MODES)
+    assert cli.parse_args(["--modes", "all"]).modes == list(registry.MODES)
     assert llama.shape(cli.parse_args(["--hidden", "1024", "--heads", "8"]))["head_dim"] == 128
 
 
@@ -97,8 +97,9 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     expected = ["eager", "floor", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "floor-compile", "bcg-compile",
-                "piecewise-cuda-graphs", "breakable-cuda-graphs"]
-    assert list(modes.MODES) == expected
+                "bcg-staged", "bcg-staged-compile", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
+    assert list(registry.MODES) == expected
+    assert registry.load_modes() is registry.MODES and list(registry.MODES) == expected  # idempotent
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
     for name in [*expected, "llama", "micro"]:
@@ -106,24 +107,25 @@ def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_registering_a_mode_makes_it_selectable() -> None:
-    @modes.register_mode("test-extra", needs_cuda=False, help="a test mode")
+    @registry.register_mode("test-extra", needs_cuda=False, help="a test mode")
     def build(case, ctx):  # pragma: no cover - never built here
         raise AssertionError
 
     try:
         assert cli.parse_args(["--modes", "test-extra"]).modes == ["test-extra"]
         with pytest.raises(ValueError, match="twice"):
-            modes.register_mode("test-extra")(build)
+            registry.register_mode("test-extra")(build)
     finally:
-        del modes.MODES["test-extra"]
+        del registry.MODES["test-extra"]
 
 
 def test_skip_reasons() -> None:
-    assert modes.skip_reason("floor", cuda=False) == "needs an NVIDIA GPU"
-    assert modes.skip_reason("eager", cuda=False) is None
-    assert modes.skip_reason("bcg-eager", cuda=False) is None
+    assert registry.skip_reason("floor", cuda=False) == "needs an NVIDIA GPU"
+    assert registry.skip_reason("bcg-staged", cuda=False) == "needs an NVIDIA GPU"
+    assert registry.skip_reason("eager", cuda=False) is None
+    assert registry.skip_reason("bcg-eager", cuda=False) is None
     # bcg-python runs only where the native executor exists (else 'bcg' is already python)
-    assert (modes.skip_reason("bcg-python", cuda=True) is None) == modes.has_native_executor()
+    assert (registry.skip_reason("bcg-python", cuda=True) is None) == modes.has_native_executor()
 
 
 def test_request_lengths_are_random_but_fixed() -> None:
@@ -327,7 +329,7 @@ def test_micro_case_on_cpu() -> None:
     def fail(mode: str, exc: Exception) -> None:
         raise exc
 
-    rows = cli._measure_case(case, ["eager", "bcg-eager"], lambda compiled: ref, modes.BuildContext(), 2, 0, sync,
+    rows = cli._measure_case(case, ["eager", "bcg-eager"], lambda compiled: ref, registry.BuildContext(), 2, 0, sync,
                              failed=fail, skipped=fail, progress=lambda step: None)
     assert [r["mode"] for r in rows] == ["eager", "bcg-eager"]
     cli._finish_case(case, rows)

@@ -11,7 +11,7 @@ import torch
 
 import bcg
 from bcg.bridge import BridgeSet
-from bcg.ownership import non_owning_alias
+from bcg.pool import non_owning_alias
 
 from .models import TinyLlama, positions_for, random_lengths
 

@@ -69,7 +69,7 @@ def test_guards_catch_a_reallocated_input() -> None:
     with pytest.raises(bcg.GuardError, match="static input 0.*address moved"):
         graph.replay()
     unguarded = bcg.make_graph(fn, torch.randn(32, device="cuda"))
-    assert unguarded._guards is None
+    assert unguarded._parts.guards is None
 
 
 def test_guards_from_the_environment_cover_breakpoint_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import bcg
 from bcg import native
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import BreakpointSpec
 from bcg.plan import BreakpointStep
 from bcg.replay import NativeExecutor, PythonExecutor, make_executor
 
@@ -444,7 +444,7 @@ import pytest
 import bcg
 from bcg import native
 from bcg import replay as replay_mod
-from bcg.breakpoint_spec import BreakpointSpec
+from bcg.breakpoint import BreakpointSpec
 from bcg.plan import BreakpointStep, SegmentStep
 
 nat = native.module()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import bcg
-from bcg.live import _UNSET
+from bcg.breakpoint import UNSET as _UNSET
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

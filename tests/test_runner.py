@@ -376,12 +376,12 @@ def test_guards_name_the_input_and_come_before_any_side_effect(args, error, patt
     runner(torch.ones(4, 6), torch.arange(4), 2.0)
     before = runner.stats()
     static = runner.bucket_outputs(4).clone()
-    buffers = [b.clone() for b in runner._buffers.values()]
+    buffers = [b.clone() for b in runner._static.buffers()]
     with pytest.raises(error, match=pattern):
         runner(*args)
     assert runner.stats() == before
     assert torch.equal(runner.bucket_outputs(4), static)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._buffers.values()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._static.buffers()))
 
 
 def test_by_reference_inputs_must_be_the_example_tensor() -> None:

@@ -195,7 +195,7 @@ def test_no_nan_anywhere_with_huge_padding_and_poisoned_memory(which: str) -> No
     # allocation, _rows_returning's torch.empty_like(h) (at most 1 MiB), is then NaN wherever
     # the breakpoint does not write. _poison_default_allocator alone guarantees nothing: the
     # caching allocator picks among all its free blocks, NaN-filled or not. (Routed as
-    # bcg.memory.PoolAnchor does; a torch.cuda.MemPool would empty the cache when collected.)
+    # bcg.pool.PoolLease does; a torch.cuda.MemPool would empty the cache when collected.)
     device = torch.cuda.current_device()
 
     def with_nan_memory(call):  # noqa: ANN001, ANN202
@@ -291,7 +291,7 @@ def test_guards_name_the_input_before_any_side_effect() -> None:
     x, pos, live = _batch(10, gen)
     runner(x, pos, live=live)
     out = runner.bucket_outputs(16).clone()
-    buffers = [b.clone() for b in runner._buffers.values()]
+    buffers = [b.clone() for b in runner._static.buffers()]
     calls = runner.stats()["calls"]
     cases = [
         ((x.cpu(), pos), ValueError, r"input 0 is on cpu; expected a torch.bfloat16 tensor on cuda:0 of shape \(T, 256\)"),
@@ -306,7 +306,7 @@ def test_guards_name_the_input_before_any_side_effect() -> None:
             runner(*args, live=live)
     assert runner.stats()["calls"] == calls
     assert torch.equal(runner.bucket_outputs(16), out)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._buffers.values()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._static.buffers()))
 
 
 # -- pools ---------------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ def test_capture_of_16_buckets_records_seconds_and_reset_frees_everything() -> N
     runner.reset()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert bcg.memory.pool_bytes(pool, 0) == 0
+    assert bcg.pool.pool_bytes(pool, 0) == 0
     growth = torch.cuda.memory_reserved() - reserved0
     print(f"reserved after reset: {growth / 2**20:+.1f} MiB")
     # The allowance: a few 2 MiB segments holding small blocks that outlive the runner (torch's

@@ -8,6 +8,9 @@ around a *breakpoint callable* so that every mode runs the same kernels:
 * ``bp_raw`` - the same function undecorated (for peers' own decorators);
 * ``bp_frozen`` - the same work with the live values frozen at build time and
   no host-only steps, so it can be captured inside one CUDA graph (``floor``).
+* ``staged`` - optionally, the same point again with a *staged* breakpoint
+  (``@bcg.breakpoint(prepare=..., fits=...)``) and its own live metadata
+  (modes ``bcg-staged``, ``bcg-staged-compile``).
 
 Modes call ``case.forward(bp)`` to get a function of ``*case.static_args``.
 """
@@ -51,6 +54,9 @@ class Case:
     # the same forward with the token-shaped regions compiled by torch.compile (None: no
     # compiled variant here; the compile modes skip this case)
     make_compiled_forward: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
+    # the same point (same static inputs) with the staged breakpoint as ``bp`` and the live
+    # metadata it takes (``live``, ``new_live``, ``live_for``); None: no staged form here
+    staged: Case | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

@@ -28,10 +28,13 @@ import torch
 
 import bcg
 from bcg.bench import report
+from bcg.bench.argtypes import int_in, nonnegative_int, positive_int
 from bcg.bench.case import Case
-from bcg.bench.modes import MODES, BuildContext, Built, NotApplicable, forward_of, skip_reason
+from bcg.bench.registry import BuildContext, Built, NotApplicable, forward_of, load_modes, skip_reason
 from bcg.bench.timing import paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
-from bcg.bench.workloads import WORKLOADS, int_in, nonnegative_int, positive_int
+from bcg.bench.workloads import WORKLOADS
+
+MODES = load_modes()  # every registered mode, in run order
 
 NO_CUDA_MESSAGE = (
     "bcg-bench: CUDA is not available here, and graph timings need an NVIDIA GPU.\n"
@@ -186,8 +189,8 @@ def _reference(case: Case, sync: Any, compiled: bool = False) -> torch.Tensor:
     return ref
 
 
-def _row(case: Case, mode: str, built: Built, first: float, samples: list[float], err: float, iters: int
-         ) -> dict[str, Any]:
+def _row(case: Case, mode: str, built: Built, first: float, samples: list[float], err: float, iters: int,
+         measured: dict[str, Any] | None = None) -> dict[str, Any]:
     stats = summarize(samples)
     return {
         "workload": case.workload,
@@ -208,6 +211,7 @@ def _row(case: Case, mode: str, built: Built, first: float, samples: list[float]
         "breaks": case.num_breaks,
         **case.fields,
         **built.info,
+        **(measured or {}),
     }
 
 
@@ -226,7 +230,8 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
                   iters: int, warmup: int, sync: Any, failed: Callable[[str, Exception], None],
                   skipped: Callable[[str, NotApplicable], None], progress: Callable[[str], None]
                   ) -> list[dict[str, Any]]:
-    """Build every mode, time them in rounds, check each against ``reference(compiled)``
+    """Build every mode, time them in rounds (each mode's ``measure`` started before and ended
+    right after them: its fields go into the row), check each against ``reference(compiled)``
     (called after the builds, so that a compile happens in a build); close them all."""
     built: dict[str, Built] = {}
     first: dict[str, float] = {}
@@ -249,16 +254,25 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
                 failed(mode, exc)
                 built.pop(mode).close()
         progress(f"time {len(built)} modes")
+        stops: dict[str, Callable[[], dict[str, Any]]] = {}
+        for mode, b in list(built.items()):
+            try:
+                if b.measure is not None:
+                    stops[mode] = b.measure()
+            except Exception as exc:
+                failed(mode, exc)
+                built.pop(mode).close()
         samples = sample_interleaved({m: b.run for m, b in built.items()}, sync, iters, warmup, on_error=failed)
         for mode, b in built.items():
             if len(samples[mode]) < iters:
                 continue  # failed while timed
             try:
+                measured = stops[mode]() if mode in stops else {}
                 err = _check(case, b, reference(MODES[mode].compiled), sync)
             except Exception as exc:
                 failed(mode, exc)
                 continue
-            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters))
+            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters, measured))
     finally:
         for b in built.values():
             b.close()

@@ -1,9 +1,7 @@
-"""Modes: the ways of running a :class:`~bcg.bench.case.Case`, in a registry.
+"""bcg's own modes (``eager``, ``floor``, ``bcg``, ...), registered in :mod:`bcg.bench.registry`.
 
 To add a mode, write one function ``build(case, ctx) -> Built`` and decorate it
-with :func:`register_mode`; ``--modes`` and the report pick it up. ``Built.run``
-performs one forward (a replay) on the current stream and returns the output
-tensor; ``Built.close`` frees what the mode holds (graphs, pools).
+with :func:`~bcg.bench.registry.register_mode` (see there for the contract).
 
 All modes of one benchmark point are built, then timed in rounds, then closed:
 their graphs hold memory together, so a mode must not depend on another's
@@ -12,88 +10,29 @@ being closed, and must replay correctly after any other mode's replay.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import bcg
 from bcg.bench.case import Case
-from bcg.bench.timing import compiling_call
+from bcg.bench.registry import (
+    BuildContext,
+    Built,
+    NotApplicable,
+    capture_stream_warmup,
+    forward_of,
+    register_mode,
+)
+from bcg.bench.timing import compiling_call, sample_ms
 
-
-@dataclass(eq=False)
-class BuildContext:
-    """Settings every mode may need."""
-
-    capture_warmup: int = 1  # eager runs on the capture stream before a capture
-
-
-@dataclass(eq=False)
-class Built:
-    run: Callable[[], torch.Tensor]
-    capture_s: float | None = None
-    pool_bytes: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # extra row fields (executor, segments, ...)
-    close: Callable[[], None] = lambda: None
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    name: str
-    build: Callable[[Case, BuildContext], Built]
-    needs_cuda: bool
-    help: str
-    # returns None when the mode can run here, else why it is skipped
-    available: Callable[[], str | None]
-    # runs the torch.compile'd forward: rel_err is measured against it run eagerly
-    compiled: bool = False
-
-
-MODES: dict[str, ModeSpec] = {}
-
-
-def register_mode(
-    name: str,
-    *,
-    needs_cuda: bool = True,
-    help: str = "",  # noqa: A002
-    available: Callable[[], str | None] | None = None,
-    compiled: bool = False,
-) -> Callable[[Callable[[Case, BuildContext], Built]], Callable[[Case, BuildContext], Built]]:
-    """Register ``build`` as mode ``name`` (order of registration = order of runs)."""
-
-    def deco(build: Callable[[Case, BuildContext], Built]) -> Callable[[Case, BuildContext], Built]:
-        if name in MODES:
-            raise ValueError(f"bench mode {name!r} is registered twice")
-        MODES[name] = ModeSpec(name, build, needs_cuda, help, available or (lambda: None), compiled)
-        return build
-
-    return deco
-
-
-def skip_reason(name: str, cuda: bool) -> str | None:
-    """Why mode ``name`` cannot run on this machine, or None."""
-    spec = MODES[name]
-    if spec.needs_cuda and not cuda:
-        return "needs an NVIDIA GPU"
-    return spec.available()
+HOST_CALLS = 20  # calls timed for a row's host_us_per_replay
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int, live: Any) -> torch.cuda.Stream:
-    """Run ``fn`` ``n`` times on a fresh side stream (as before any CUDA graph capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), bcg.live_scope(live):
-        for _ in range(n):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    return stream
 
 
 def has_native_executor() -> bool:
@@ -111,17 +50,39 @@ def _native_reason() -> str | None:
     return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
 
 
-class NotApplicable(Exception):
-    """A mode that does not apply to this case (e.g. no compiled variant): the row is skipped."""
+def _replay_measures(
+    run: Callable[[], torch.Tensor], runner_stats: Callable[[], dict[str, Any]] | None = None
+) -> Callable[[], Callable[[], dict[str, Any]]]:
+    """A ``Built.measure`` for a bcg mode's rows.
 
+    Arguments:
+        run: the mode's ``Built.run``. After the timed replays, ``host_us_per_replay`` is
+            the median host time of :data:`HOST_CALLS` calls of it (``perf_counter``
+            around the call alone, the GPU idle before each, no synchronize inside).
+        runner_stats: a staged runner's ``stats``: adds ``inline_fraction`` (its inline
+            replays / graph calls over the timing rounds, their warm-up calls included) and
+            ``staged_fallbacks`` ({reason: replays of the breakable form} over them).
+    """
 
-def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[..., torch.Tensor]:
-    """The case's forward around ``bp``: eager regions, or the torch.compile'd ones."""
-    if not compiled:
-        return case.forward(bp)
-    if case.make_compiled_forward is None:
-        raise NotApplicable(f"{case.workload} has no torch.compile'd variant here")
-    return case.make_compiled_forward(bp)
+    def start() -> Callable[[], dict[str, Any]]:
+        before = runner_stats() if runner_stats is not None else None
+
+        def stop() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            if runner_stats is not None and before is not None:
+                after = runner_stats()
+                calls = after["graph_calls"] - before["graph_calls"]
+                inline = after["inline_replays"] - before["inline_replays"]
+                out["inline_fraction"] = inline / calls if calls else None
+                fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
+                out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
+            samples = sample_ms(run, torch.cuda.synchronize, HOST_CALLS, wait=False)
+            out["host_us_per_replay"] = statistics.median(samples) * 1e3
+            return out
+
+        return stop
+
+    return start
 
 
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
@@ -135,20 +96,27 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
     torch.cuda.synchronize()
     stats = graph.stats()
     fresh_live, replay = case.fresh_live, graph.replay
+
+    def run() -> torch.Tensor:
+        return replay(live=fresh_live())
+
     return Built(
-        run=lambda: replay(live=fresh_live()),
+        run=run,
         capture_s=stats.capture_s,
         pool_bytes=stats.pool_bytes,
         info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=graph.reset,
+        measure=_replay_measures(run),
     )
 
 
 def _bcg_runner(
-    case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False, **runner_kwargs: Any
+    case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False, staged: bool = False,
+    **runner_kwargs: Any,
 ) -> Built:
     """The library as a serving engine uses it: a GraphRunner with one bucket of size T
-    (``runner_kwargs``: more GraphRunner options, e.g. ``sanitize=False``)."""
+    (``staged``: the case's breakpoints are staged, rows add the inline fraction;
+    ``runner_kwargs``: more GraphRunner options, e.g. ``sanitize=False``)."""
     if not case.use_runner and not compiled:
         return _bcg_graph(case, ctx, executor)
     fn = forward_of(case, case.bp, compiled)
@@ -174,13 +142,25 @@ def _bcg_runner(
     torch.cuda.synchronize()
     stats = graph.stats()
     args, fresh_live = case.static_args, case.fresh_live
+
+    def run() -> torch.Tensor:
+        return runner(*args, live=fresh_live())
+
     return Built(
-        run=lambda: runner(*args, live=fresh_live()),
+        run=run,
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
         info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=runner.reset,
+        measure=_replay_measures(run, runner.stats if staged else None),
     )
+
+
+def _bcg_staged(case: Case, ctx: BuildContext, compiled: bool) -> Built:
+    """:func:`_bcg_runner` over the case's staged form (``case.staged``)."""
+    if case.staged is None:
+        raise NotApplicable(f"{case.label} has no staged breakpoint here")
+    return _bcg_runner(case.staged, ctx, None, compiled=compiled, staged=True)
 
 
 def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
@@ -198,7 +178,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
     with torch.cuda.graph(g, pool=pool, stream=stream):
         out = fn(*args)
     capture_s = time.perf_counter() - t0
-    from bcg.memory import pool_bytes
+    from bcg.pool import pool_bytes
 
     held = {"g": g, "out": out}
 
@@ -299,5 +279,20 @@ def build_bcg_compile(case: Case, ctx: BuildContext) -> Built:
     return _bcg_runner(case, ctx, None, compiled=True)
 
 
-# The peers register themselves as modes too (after ours, so they run last).
-from bcg.bench import peers as _peers  # noqa: E402,F401
+@register_mode(
+    "bcg-staged",
+    help="bcg.GraphRunner (one bucket = T) over the staged breakpoint (captured inline, its metadata "
+    "staged by prepare; the breakable form as fallback); row has inline_fraction",
+)
+def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged(case, ctx, compiled=False)
+
+
+@register_mode(
+    "bcg-staged-compile",
+    help="bcg-staged over the torch.compile'd regions; row has compile_s and inline_fraction",
+    available=_compile_reason,
+    compiled=True,
+)
+def build_bcg_staged_compile(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged(case, ctx, compiled=True)

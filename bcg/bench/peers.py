@@ -24,7 +24,7 @@ import torch
 
 import bcg
 from bcg.bench.case import Case
-from bcg.bench.modes import BuildContext, Built, capture_stream_warmup, register_mode
+from bcg.bench.registry import BuildContext, Built, capture_stream_warmup, register_mode
 
 
 def _import(module: str) -> ModuleType | None:
@@ -62,7 +62,7 @@ def _build_sequence(
         out = fn(*args)
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
-    from bcg.memory import pool_bytes
+    from bcg.pool import pool_bytes
 
     held = {"seq": seq, "out": out}
     steps = list(getattr(seq, "_segments", ()))  # private, read only for the counts

@@ -62,7 +62,8 @@ _LLAMA_COLS = (
     ("us/brk", "extra_us_per_break", ".1f", 8), ("capt s", "capture_s", ".2f", 7), ("pool MiB", "pool_mib", ".1f", 9),
     ("pool/fl", "pool_ratio_to_floor", ".2f", 7), ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
     ("/fl pair", "ratio_to_floor_paired", ".3f", 8), ("/fc pair", "ratio_to_floor_compile_paired", ".3f", 8),
-    ("compile s", "compile_s", ".2f", 9),
+    ("compile s", "compile_s", ".2f", 9), ("host us", "host_us_per_replay", ".1f", 8),
+    ("inline", "inline_fraction", ".2f", 6),
 )
 _MICRO_COLS = (
     ("mode", "mode", "s", 21), ("K", "K", "d", 4), ("us/replay", "us_per_replay", ".1f", 10),

@@ -23,15 +23,25 @@ from :func:`bcg.live` and writes into a preallocated output argument in place
 GQA: except for ``flash``, the KV heads are repeated to the query heads first
 (``repeat_interleave`` over the head dimension, written as expand+reshape: one
 copy kernel each for K and V).
+
+Staged attention (modes ``bcg-staged``, ``bcg-staged-compile``; ``flash`` and
+``varlen`` on a GPU): the same function as a *staged* breakpoint
+(``@bcg.breakpoint(prepare=..., fits=...)``, see :class:`StagedAttention`),
+captured inline in the graph. Its live metadata is host-only (the lengths); one
+``prepare`` per forward writes ``cu_seqlens`` for ``--slots`` request slots into
+a :class:`bcg.StagingBuffer`, and ``max_seqlen`` is bounded by the bucket size.
+A batch of more requests than slots runs the breakable form.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import dataclasses
 import inspect
 import itertools
 import random
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +51,7 @@ import torch.nn.functional as F
 import bcg
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
-from bcg.bench.workloads import nonnegative_int, positive_int
+from bcg.bench.argtypes import nonnegative_int, positive_int
 from bcg.compiled import dynamo_graphs
 
 NAME = "llama"
@@ -128,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    f"report its capture time and pool size (GPU only; 0 skips, else >= {LADDER_MIN}; default 4096)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
                    help="attention implementations: flash,varlen,loop (default all three)")
+    g.add_argument("--slots", type=positive_int, default=8, metavar="R",
+                   help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
+                   "requests replays the breakable form (default 8)")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -201,6 +214,7 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "tokens": list(args.tokens),
         "requests": args.requests,
         "attn": list(args.attn),
+        "slots": args.slots,
         "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
     }
 
@@ -228,6 +242,16 @@ class Batch:
     def build(lengths: tuple[int, ...], device: torch.device) -> Batch:
         """The metadata of a batch: one pinned host buffer and one non-blocking copy on a GPU."""
         return Batch(lengths, cu_seqlens(lengths, device) if device.type == "cuda" else None)
+
+
+@dataclass(frozen=True)
+class StagedBatch:
+    """What a staged attention reads when it runs inline (what its ``prepare`` returned at
+    capture, frozen into the graph): ``cu_seqlens`` in a static device buffer, rewritten
+    before every replay, and ``max_len``, a bound on the longest request."""
+
+    cu: torch.Tensor
+    max_len: int
 
 
 @dataclass
@@ -343,6 +367,7 @@ class LlamaModel:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.regions = Regions(H, KV, D, h)
         self._compiled: Regions | None = None
+        self._staged: dict[int, StagedAttention] = {}
 
     @property
     def nbytes(self) -> int:
@@ -356,6 +381,12 @@ class LlamaModel:
                 torch._dynamo.reset()
             self._compiled = self.regions.compiled()
         return self._compiled
+
+    def staged_attention(self, slots: int) -> StagedAttention:
+        """The staged attentions over ``slots`` request slots on this model's device (made once)."""
+        if slots not in self._staged:
+            self._staged[slots] = StagedAttention(slots, self.device)
+        return self._staged[slots]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
         r = regions or self.regions
@@ -448,22 +479,36 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, 
     out.copy_(_FLASH(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0])
 
 
-@bcg.breakpoint(name="attention_flash", mutates=("out",))
-def attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+def _packed_attention(kernel: Any, usable: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    """``kernel`` (:func:`flash` or :func:`varlen`) over the batch :func:`bcg.live` returns, or
+    the SDPA loop where ``usable(device)`` says it cannot run.
+
+    The batch is a :class:`Batch` (its ``cu`` built per forward; None, as in the staged modes'
+    host-only metadata: built here from the lengths) or, inline, a :class:`StagedBatch`.
+    """
     batch = bcg.live()
-    if batch.cu is None or _FLASH is None:
+    if not usable(q.device):
         sdpa_per_request(q, k, v, out, batch.lengths)
         return
-    flash(q, k, v, out, batch.cu, batch.max_len)
+    cu = batch.cu if batch.cu is not None else cu_seqlens(batch.lengths, q.device)
+    kernel(q, k, v, out, cu, batch.max_len)
 
 
-@bcg.breakpoint(name="attention_varlen", mutates=("out",))
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    batch = bcg.live()
-    if batch.cu is None or not varlen_usable(q.device):
-        sdpa_per_request(q, k, v, out, batch.lengths)
-        return
-    varlen(q, k, v, out, batch.cu, batch.max_len)
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """Flash attention over the live batch: the function of ``attention_flash`` and of
+    ``attention_flash_staged``."""
+    _packed_attention(flash, flash_usable, q, k, v, out)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """``varlen_attn`` over the live batch: the function of ``attention_varlen`` and of
+    ``attention_varlen_staged``."""
+    _packed_attention(varlen, varlen_usable, q, k, v, out)
+
+
+attention_flash = bcg.breakpoint(flash_attention, name="attention_flash", mutates=("out",))
+attention_varlen = bcg.breakpoint(varlen_attention, name="attention_varlen", mutates=("out",))
 
 
 @bcg.breakpoint(name="attention_loop", mutates=("out",))
@@ -472,6 +517,49 @@ def attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 
 BREAKPOINTS = {"flash": attention_flash, "varlen": attention_varlen, "loop": attention_loop}
+
+
+def padded_offsets(lengths: Sequence[int], slots: int) -> list[int]:
+    """``cu_seqlens`` for ``slots`` request slots: ``[0, l0, l0+l1, ..., T]`` and, for each
+    unused slot, ``T`` again (a zero-length request); ``slots + 1`` offsets."""
+    if len(lengths) > slots:
+        raise ValueError(f"{len(lengths)} requests do not fit in {slots} slots")
+    offsets = list(itertools.accumulate(lengths, initial=0))
+    return offsets + [offsets[-1]] * (slots - len(lengths))
+
+
+class StagedAttention:
+    """The staged ``flash`` and ``varlen`` attentions over ``slots`` request slots.
+
+    ``cu_seqlens`` lives in one :class:`bcg.StagingBuffer` of ``slots + 1`` int32
+    offsets; every layer's breakpoint shares one :meth:`prepare` (the same bound-method
+    object), so bcg stages it once per forward, not per layer.
+
+    Arguments:
+        slots: R, the most requests of a batch that runs inline (:meth:`fits`).
+        device: the device of the staged ``cu_seqlens`` (where the kernels run).
+    """
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        self.slots = slots
+        self.cu = bcg.StagingBuffer((slots + 1,), dtype=torch.int32, device=device)
+        prepare, fits = self.prepare, self.fits  # one object each, shared by the breakpoints
+        self.breakpoints: dict[str, Any] = {
+            attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
+            for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
+        }
+
+    def fits(self, batch: Batch) -> bool:
+        """Whether ``batch``'s requests fit the slots (else bcg replays the breakable form)."""
+        return len(batch.lengths) <= self.slots
+
+    def prepare(self, batch: Batch) -> StagedBatch:
+        """Write ``batch``'s :func:`padded_offsets` into the staging buffer (host only) and return
+        what the inline attention reads: the buffer's device tensor and ``max_len`` = the total
+        tokens. Only the capture's return value is used: there the total is the bucket size,
+        a bound on the longest request of any batch the graph replays."""
+        self.cu.write(padded_offsets(batch.lengths, self.slots))
+        return StagedBatch(self.cu.device, sum(batch.lengths))
 
 
 def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
@@ -510,8 +598,11 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         regions = model.compiled_regions()
         return lambda x, pos: model.forward(x, pos, bp, regions)
 
+    def lengths_for(n: int) -> tuple[int, ...]:  # a runner's batch of n tokens
+        return tuple(request_lengths(n, min(args.requests, n), args.seed))
+
     bp = BREAKPOINTS[attn]
-    return Case(
+    case = Case(
         workload=NAME,
         attn=attn,
         T=T,
@@ -527,8 +618,18 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         num_breaks=model.shape["layers"],
         write_inputs=write_inputs,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
-        live_for=lambda n: Batch.build(tuple(request_lengths(n, min(args.requests, n), args.seed)), device),
+        live_for=lambda n: Batch.build(lengths_for(n), device),
     )
+    if attn in _BACKENDS and _BACKENDS[attn][1](device):
+        # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
+        case.staged = dataclasses.replace(
+            case,
+            bp=model.staged_attention(args.slots).breakpoints[attn],
+            live=Batch(lengths),
+            new_live=lambda: Batch(lengths),
+            live_for=lambda n: Batch(lengths_for(n)),
+        )
+    return case
 
 
 def compile_usable(device: torch.device) -> str | None:

@@ -23,7 +23,7 @@ import torch
 import bcg
 from bcg.bench.case import Case
 from bcg.bench.timing import sample_ms, sync_fn
-from bcg.bench.workloads import positive_int
+from bcg.bench.argtypes import positive_int
 
 NAME = "micro"
 NEEDS_CUDA = True

@@ -1,0 +1,127 @@
+"""The mode registry: what a mode is, where modes are registered, and helpers modes share.
+
+A mode is one function ``build(case, ctx) -> Built`` decorated with
+:func:`register_mode`; ``--modes`` and the report pick it up. ``Built.run``
+performs one forward (a replay) on the current stream and returns the output
+tensor; ``Built.close`` frees what the mode holds (graphs, pools).
+
+The modules that define modes are listed in :data:`MODE_MODULES`, in run order
+(bcg's own modes, then the peer libraries'); :func:`load_modes` imports them.
+They import this module only, never each other.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import bcg
+from bcg.bench.case import Case
+
+#: The modules whose import registers modes, in the order their modes run.
+MODE_MODULES: tuple[str, ...] = ("bcg.bench.modes", "bcg.bench.peers")
+
+
+@dataclass(eq=False)
+class BuildContext:
+    """Settings every mode may need."""
+
+    capture_warmup: int = 1  # eager runs on the capture stream before a capture
+
+
+@dataclass(eq=False)
+class Built:
+    run: Callable[[], torch.Tensor]
+    capture_s: float | None = None
+    pool_bytes: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # extra row fields (executor, segments, ...)
+    close: Callable[[], None] = lambda: None
+    # called right before the timed replays; the function it returns is called right after
+    # them (before the check replay) and gives extra row fields measured over them
+    measure: Callable[[], Callable[[], dict[str, Any]]] | None = None
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    build: Callable[[Case, BuildContext], Built]
+    needs_cuda: bool
+    help: str
+    # returns None when the mode can run here, else why it is skipped
+    available: Callable[[], str | None]
+    # runs the torch.compile'd forward: rel_err is measured against it run eagerly
+    compiled: bool = False
+
+
+MODES: dict[str, ModeSpec] = {}
+
+
+def register_mode(
+    name: str,
+    *,
+    needs_cuda: bool = True,
+    help: str = "",  # noqa: A002
+    available: Callable[[], str | None] | None = None,
+    compiled: bool = False,
+) -> Callable[[Callable[[Case, BuildContext], Built]], Callable[[Case, BuildContext], Built]]:
+    """Register ``build`` as mode ``name`` (order of registration = order of runs)."""
+
+    def deco(build: Callable[[Case, BuildContext], Built]) -> Callable[[Case, BuildContext], Built]:
+        if name in MODES:
+            raise ValueError(f"bench mode {name!r} is registered twice")
+        MODES[name] = ModeSpec(name, build, needs_cuda, help, available or (lambda: None), compiled)
+        return build
+
+    return deco
+
+
+def load_modes() -> dict[str, ModeSpec]:
+    """Import every module of :data:`MODE_MODULES` (once: later calls import nothing) and
+    return :data:`MODES` in run order: by module as listed there, whichever was imported
+    first, then by registration; modes registered elsewhere come last."""
+    for module in MODE_MODULES:
+        importlib.import_module(module)
+    rank = {module: i for i, module in enumerate(MODE_MODULES)}
+    ordered = sorted(MODES.values(), key=lambda spec: rank.get(getattr(spec.build, "__module__", ""), len(rank)))
+    MODES.clear()
+    MODES.update((spec.name, spec) for spec in ordered)
+    return MODES
+
+
+def skip_reason(name: str, cuda: bool) -> str | None:
+    """Why mode ``name`` cannot run on this machine, or None."""
+    spec = MODES[name]
+    if spec.needs_cuda and not cuda:
+        return "needs an NVIDIA GPU"
+    return spec.available()
+
+
+class NotApplicable(Exception):
+    """A mode that does not apply to this case (e.g. no compiled variant): the row is skipped."""
+
+
+# -- helpers the modes share ----------------------------------------------------------------
+
+
+def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int, live: Any) -> torch.cuda.Stream:
+    """Run ``fn`` ``n`` times on a fresh side stream (as before any CUDA graph capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), bcg.live_scope(live):
+        for _ in range(n):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    return stream
+
+
+def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[..., torch.Tensor]:
+    """The case's forward around ``bp``: eager regions, or the torch.compile'd ones."""
+    if not compiled:
+        return case.forward(bp)
+    if case.make_compiled_forward is None:
+        raise NotApplicable(f"{case.workload} has no torch.compile'd variant here")
+    return case.make_compiled_forward(bp)

@@ -1,0 +1,615 @@
+"""``bcg.GraphRunner``: one breakable graph per bucket size, padded inputs, one shared memory pool.
+
+How a call runs, fallbacks, output lifetimes and threading: ``docs/runner.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from bcg.breakpoint import UNSET, live_scope, recording
+from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
+from bcg.capture import capture, capture_lock, capture_stream
+from bcg.errors import BcgError, ReplayError
+from bcg.graph import BreakableGraph
+from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
+from bcg.replay import stream_readers
+from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
+from bcg.runner.padding import CrossingRecorder, PaddingSanitizer, scaling_dims
+from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
+
+log = logging.getLogger("bcg")
+
+#: The reasons a call runs ``forward`` eagerly instead of replaying a graph.
+FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
+
+_MODES = ("graph", "eager")
+
+_current_device = stream_readers()[0]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    size: int
+    views: list[Any] = field(default_factory=list)
+    graph: BreakableGraph | None = None
+    leaves: list[Any] | None = None  # graph mode: the static outputs; eager mode: the last outputs
+    spec: Any = None
+    single: bool = False
+    slice_dims: list[tuple[int, ...]] = field(default_factory=list)
+    failure: str | None = None
+    captured: bool = False
+    capture_s: float = 0.0
+    replays: int = 0
+
+
+class GraphRunner:
+    """Run ``forward`` through one captured :class:`bcg.BreakableGraph` per bucket size.
+
+    ``forward(*inputs)`` is called with ``example_inputs``-like inputs; tensor
+    inputs are padded along ``pad_dim`` (an int for all of them, or one entry
+    per input: ``None`` for a tensor that is not bucketed, such as a KV cache,
+    which the graphs read in place: calls must pass that same tensor).
+    Non-tensor inputs are frozen: calls must pass values equal to the example's.
+
+    ``buckets``: sizes to capture (default :func:`bcg.default_buckets`).
+    ``capture_live``: what :func:`bcg.live` returns during each bucket's
+    warm-up and capture; a callable is called with the size. Give a callable
+    whenever live metadata depends on the size (request lengths do): the
+    forward also runs once at a probe size that is not a bucket, to learn
+    which dims grow with the size, and metadata for another size would make
+    attention read out of bounds.
+    ``max_padding_ratio``: run eagerly when ``(bucket - T) / bucket`` exceeds
+    it (default ``None``: never). ``copy_outputs``: ``True`` returns copies,
+    ``False`` views valid until the next call, ``None`` (default) views while
+    one thread calls and copies once several do (see :meth:`locked`). ``sanitize``: zero padded rows of inputs
+    and of tensors crossing breakpoints inside the graph (default ``True``;
+    ``False`` zeroes only the inputs' tails, with host launches). ``pool`` /
+    ``stream``: share a pool (and capture stream) with another runner
+    (``other.pool()``). ``mode``: ``"graph"`` or ``"eager"``. ``progress``:
+    show a tqdm bar while capturing.
+
+    ``docs/runner.md`` says how a call runs: fallbacks, padded-row
+    sanitizing, output lifetimes and thread safety.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        buckets: Sequence[int] | None = None,
+        *,
+        example_inputs: Sequence[Any],
+        pad_dim: int | Sequence[int | None] = 0,
+        mode: str = "graph",
+        capture_live: Any = UNSET,
+        max_padding_ratio: float | None = None,
+        copy_outputs: bool | None = None,
+        sanitize: bool = True,
+        pool: PoolHandle | None = None,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str = "global",
+        progress: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if not callable(forward):
+            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
+        if max_padding_ratio is not None and not 0.0 <= max_padding_ratio < 1.0:
+            raise ValueError(f"max_padding_ratio must be in [0, 1) or None, got {max_padding_ratio}")
+        if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+            raise TypeError("example_inputs must be a tuple (or list) of forward's positional inputs")
+        self._forward = forward
+        self.name = name or getattr(forward, "__qualname__", type(forward).__name__)
+        self._buckets_list = normalize_buckets(default_buckets() if buckets is None else buckets)
+        self._inputs = describe_inputs(tuple(example_inputs), pad_dim)
+        padded = [s for s in self._inputs if s.kind == PADDED]
+        if not padded:
+            raise ValueError(
+                "example_inputs needs at least one padded tensor input (the one whose size along pad_dim is T)"
+            )
+        devices = {s.device for s in padded}
+        if len(devices) > 1:
+            raise ValueError(f"all padded inputs must be on one device, got {sorted(map(str, devices))}")
+        self._device = devices.pop()
+        if mode == "graph" and (self._device.type != "cuda" or not torch.cuda.is_available()):
+            why = "CUDA is not available" if not torch.cuda.is_available() else f"the inputs are on {self._device}"
+            warnings.warn(
+                f"bcg.GraphRunner: {why}, falling back to mode='eager' (same buckets, padding and "
+                "slicing; forward runs eagerly at every call, no CUDA graphs)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            mode = "eager"
+        self._mode = mode
+        self._capture_live = capture_live
+        self._max_padding_ratio = max_padding_ratio
+        self._copy_outputs = copy_outputs if copy_outputs is None else bool(copy_outputs)
+        self._sanitize = bool(sanitize)
+        self._capture_error_mode = capture_error_mode
+        self._progress = progress
+        self._user_pool = pool
+        self._pool: PoolHandle | None = pool
+        self._stream = stream
+        self._lease: PoolLease | None = None
+        lock = PoolCallLock()
+        self._lock = POOL_LOCKS.for_pool(pool, lock) if pool is not None else lock
+        self._largest_alone: int | None = None
+        self._clear_state()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self._device) if self._mode == "graph" else contextlib.nullcontext()
+
+    def _capturing(self) -> contextlib.AbstractContextManager[Any]:
+        """Graph mode: the process's capture lock, held across warm-ups and captures, which share
+        the capture stream (another thread's capture must not record the warm-ups)."""
+        return capture_lock() if self._mode == "graph" else contextlib.nullcontext()
+
+    def _clear_state(self) -> None:
+        self._buckets = {b: _Bucket(b) for b in self._buckets_list}
+        self._captured = False
+        self._out_shapes: dict[int, tuple[Any, list[tuple[int, ...] | None]]] = {}
+        self._capture_total_s = 0.0
+        self._calls = 0
+        self._graph_calls = 0
+        self._real_rows = 0
+        self._padded_rows = 0
+        self._fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
+        self._probe_size = self._choose_probe_size()
+        self._rows = max(self._buckets_list[-1], self._probe_size)
+        self._static: StaticInputs | None = None
+        self._sanitizer: PaddingSanitizer | None = None
+
+    def _choose_probe_size(self) -> int:
+        """A second size to run once, so the first bucket captured knows which dims grow with the size."""
+        biggest = self._buckets_list[-1]
+        for b in self._buckets_list:
+            if 1 < b < biggest:
+                return b
+        return biggest // 2 if biggest > 2 else biggest + 1
+
+    def _setup(self) -> tuple[StaticInputs, PaddingSanitizer]:
+        if self._static is None or self._sanitizer is None:
+            self._static = StaticInputs(self._inputs, self._rows, self._device)
+            self._sanitizer = PaddingSanitizer(self._static.padded, self._rows, self._device, self._sanitize)
+        if self._mode == "graph":
+            if self._pool is None:
+                self._pool = graph_pool_handle()
+                self._lock = POOL_LOCKS.for_pool(self._pool, self._lock)
+            if self._stream is None:
+                self._stream = capture_stream(self._device.index or 0)
+            if self._lease is None:  # the pool outlives any one bucket's graph, failed ones too
+                self._lease = PoolLease(self._device.index or 0, self._pool, self._stream)
+        return self._static, self._sanitizer
+
+    def _live_for(self, n: int) -> Any:
+        live = self._capture_live
+        if live is UNSET:
+            return UNSET
+        return live(n) if callable(live) else live
+
+    # -- the padded forward ----------------------------------------------------------------------
+    def _padded_forward(self, n: int, views: list[Any]) -> Any:
+        """``forward`` on the size-``n`` static inputs; first (if sanitizing) zero rows ``>= T``."""
+        assert self._sanitizer is not None
+        self._sanitizer.zero_inputs(n, views)
+        return self._forward(*views)
+
+    def _run_eager(self, n: int, views: list[Any], live: Any, recorder: CrossingRecorder) -> Any:
+        """Run the padded forward eagerly at size ``n`` with ``recorder`` handling breakpoints."""
+        with recording(recorder, live), torch.no_grad():
+            return self._padded_forward(n, views)
+
+    def _run_recorded(self, n: int) -> Any:
+        """A warm-up (or probe) run at size ``n`` on example data: records how to sanitize, and shapes."""
+        static, sanitizer = self._setup()
+        views = static.load_example(n)
+        sanitizer.set_rows(n)
+        live = self._live_for(n)
+        with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph") as recorder:
+            if self._mode == "graph":
+                assert self._stream is not None
+                current = torch.cuda.current_stream(self._device)
+                self._stream.wait_stream(current)
+                with torch.cuda.stream(self._stream):
+                    out = self._run_eager(n, views, live, recorder)
+                current.wait_stream(self._stream)
+            else:
+                out = self._run_eager(n, views, live, recorder)
+        leaves, spec = pytree.tree_flatten(out)
+        self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
+        return out
+
+    # -- capture ------------------------------------------------------------------------------
+    def capture(self) -> GraphRunner:
+        """Warm up and capture every bucket, largest first, into one pool on one capture stream.
+
+        Shows a tqdm progress bar (``progress=False`` hides it), records
+        per-bucket seconds (``stats()["capture_s"]``), logs the total and the
+        pool size. A bucket whose warm-up or capture raises is logged and
+        skipped (see the module documentation). In eager mode each bucket is
+        run once instead. Returns the runner.
+        """
+        with self._lock.lock, self._capturing(), self._on_device():
+            if self._captured:
+                raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
+            self._setup()
+            t_start = time.perf_counter()
+            try:
+                self._run_recorded(self._probe_size)
+            except Exception as exc:  # the buckets' own warm-ups report failures
+                log.debug("bcg.GraphRunner: the probe run at size %d raised: %r", self._probe_size, exc)
+            from tqdm import tqdm
+
+            order = sorted(self._buckets_list, reverse=True)
+            bar = tqdm(order, desc="bcg capture", unit="bucket", disable=not self._progress)
+            for n in bar:
+                bar.set_postfix_str(f"bucket {n}", refresh=False)
+                bucket = self._buckets[n]
+                t0 = time.perf_counter()
+                try:
+                    self._capture_bucket(bucket)
+                except Exception as exc:
+                    bucket.failure = f"{type(exc).__name__}: {exc}"
+                    bucket.graph = None
+                    log.warning(
+                        "bcg.GraphRunner(%s): capturing bucket %d failed, calls that would use it run "
+                        "eagerly (fallback 'capture_failed'): %s",
+                        self.name, n, bucket.failure, exc_info=exc,
+                    )
+                bucket.capture_s = time.perf_counter() - t0
+            bar.close()
+            for n in order:
+                self._finish_bucket(self._buckets[n])
+            self._capture_total_s = time.perf_counter() - t_start
+            self._captured = True
+            ok = [b for b in self._buckets_list if self._buckets[b].captured]
+            log.info(
+                "bcg.GraphRunner(%s): %s %d of %d bucket(s) (%s) in %.2f s; pool %.1f MiB",
+                self.name, "captured" if self._mode == "graph" else "warmed up (eager mode)",
+                len(ok), len(order), ", ".join(map(str, ok)) or "none", self._capture_total_s,
+                self._pool_bytes() / 2**20,
+            )
+            return self
+
+    def _capture_bucket(self, bucket: _Bucket) -> None:
+        n = bucket.size
+        out = self._run_recorded(n)  # the warm-up, on the capture stream
+        assert self._static is not None
+        bucket.views = self._static.views(n)
+        if self._mode == "eager":
+            bucket.captured = True
+            return
+        del out
+        graph, out = self._capture_graph(n, self._pool)
+        bucket.graph = graph
+        # The static outputs live in the pool; hold them through non-owning aliases so the
+        # buckets captured next reuse their memory (outputs are valid until the next call).
+        assert self._pool is not None
+        membership = PoolMembership(self._pool, self._device.index or 0)
+        if graph.stats().staged:
+            # The breakable form, for calls whose metadata does not fit: captured while the
+            # inline form's outputs are held, so that they stay apart; its outputs are copied
+            # into the inline form's by graph.replay.
+            fallback, fallback_out = self._capture_graph(n, self._pool, inline=False)
+            fallback.outputs = membership.release(fallback_out)
+            graph.set_fallback(fallback)
+            del fallback_out
+        graph.outputs = membership.release(out)
+        leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
+        bucket.leaves = leaves
+        bucket.captured = True
+
+    def _capture_graph(self, n: int, pool: PoolHandle | None, inline: bool = True) -> tuple[BreakableGraph, Any]:
+        static, sanitizer = self._setup()
+        views = static.load_example(n)
+        sanitizer.set_rows(n)
+        graph = BreakableGraph()
+        with torch.no_grad(), capture(
+            graph,
+            pool=pool,
+            stream=self._stream,
+            capture_error_mode=self._capture_error_mode,
+            live=self._live_for(n),
+            ownership="pool",
+            after_breakpoint=sanitizer.hook(n),
+            inline=inline,
+        ):
+            out = self._padded_forward(n, views)
+        return graph, out
+
+    def _finish_bucket(self, bucket: _Bucket) -> None:
+        """After all captures: how to slice the bucket's outputs."""
+        if not bucket.captured:
+            return
+        n = bucket.size
+        spec, shapes = self._out_shapes[n]
+        if bucket.spec is None:
+            bucket.spec = spec
+        bucket.single = bucket.spec.is_leaf()
+        others = [(m, s) for m, (sp, s) in self._out_shapes.items() if m != n and sp == spec]
+        dims_per_leaf: list[tuple[int, ...]] = []
+        for k, shape in enumerate(shapes):
+            dims: tuple[int, ...] | None = ()
+            if shape is not None:
+                comparable = [(m, other[k]) for m, other in others if other[k] is not None]
+                if not comparable:  # no run of another size to compare with: every dim of size n
+                    dims = tuple(d for d, size in enumerate(shape) if size == n)
+                else:
+                    for m, other_shape in comparable:
+                        dims = scaling_dims(shape, n, other_shape, m)
+                        if dims is not None:
+                            break
+                    if dims is None:
+                        log.debug("bcg.GraphRunner: output %d of bucket %d is returned unsliced: its shape "
+                                  "does not grow with the bucket size consistently", k, n)
+                        dims = ()
+            dims_per_leaf.append(dims)
+        bucket.slice_dims = dims_per_leaf
+
+    def measure_largest_alone(self) -> int:
+        """Capture the largest bucket alone in a fresh pool and return that pool's bytes.
+
+        The graph is freed right after; the figure lands in
+        ``stats()["largest_alone_pool_bytes"]`` and ``stats()["pool_ratio"]``
+        (all buckets' shared pool / this), whose target is <= 1.1. Graph mode
+        only (0 in eager mode). Capture the runner first so the shapes used
+        to sanitize are known, or a probe run is made.
+        """
+        if self._mode != "graph":
+            self._largest_alone = 0
+            return 0
+        with self._lock.lock, self._capturing(), self._on_device():
+            _, sanitizer = self._setup()
+            n = self._buckets_list[-1]
+            if not sanitizer.sizes_seen:
+                self._run_recorded(self._probe_size)
+            if not sanitizer.has_run(n):
+                self._run_recorded(n)
+            pool = graph_pool_handle()
+            graph, out = self._capture_graph(n, pool)
+            try:
+                size = pool_bytes(pool, self._device.index)
+            finally:
+                del out
+                graph.reset()
+            self._largest_alone = size
+            log.info(
+                "bcg.GraphRunner(%s): pool of all buckets %.1f MiB, largest bucket (%d) alone %.1f MiB",
+                self.name, self._pool_bytes() / 2**20, n, size / 2**20,
+            )
+            return size
+
+    # -- calls -----------------------------------------------------------------------------------
+    def __call__(self, *inputs: Any, live: Any = UNSET) -> Any:
+        """Run ``forward(*inputs)`` through the graph of the smallest bucket ``>= T``; outputs sliced to ``T``.
+
+        ``live`` is what :func:`bcg.live` returns inside breakpoints. Outputs are
+        views valid until the next call, or copies (see ``copy_outputs`` and :meth:`locked`).
+        """
+        with self._lock.lock:
+            if not self._captured:
+                raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
+            T = check_inputs(self._inputs, inputs, self.name)
+            n = pick_bucket(self._buckets_list, T)
+            if n is None:
+                return self._fallback("too_large", inputs, live)
+            bucket = self._buckets[n]
+            if bucket.failure is not None:
+                return self._fallback("capture_failed", inputs, live)
+            if self._max_padding_ratio is not None and (n - T) > self._max_padding_ratio * n:
+                return self._fallback("padding_waste", inputs, live)
+            static, sanitizer = self._static, self._sanitizer
+            assert static is not None and sanitizer is not None
+            graph = bucket.graph
+            if graph is not None:
+                device = _current_device()
+                if device != self._device.index:
+                    raise ReplayError(
+                        f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
+                        f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
+                    )
+                self._lock.serialize_streams(device)
+            static.write(bucket.views, inputs, T, zero_tail=not self._sanitize)
+            if self._sanitize:
+                sanitizer.set_rows(T)
+            if graph is not None:
+                graph.replay(live)
+                leaves = bucket.leaves
+            else:
+                hook = sanitizer.hook(n)
+                recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
+                leaves, _ = pytree.tree_flatten(self._run_eager(n, bucket.views, live, recorder))
+                bucket.leaves = leaves
+            bucket.replays += 1
+            self._calls += 1
+            self._graph_calls += 1
+            self._real_rows += T
+            self._padded_rows += n
+            assert leaves is not None
+            copy = self._copy_outputs
+            if copy is None:
+                copy = not self._lock.views_safe()
+            return self._slice(bucket, leaves, T, copy)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[GraphRunner]:
+        """Hold the call lock (shared by runners sharing the pool) for the whole block.
+
+        Calls made inside the block return views even when several threads use
+        the runner (``copy_outputs=None``): no other thread's call can
+        overwrite them before the block ends. Read or copy what you need inside::
+
+            with runner.locked():
+                y = runner(x, live=meta)
+                logits = head(y)          # reads the view while no other call can run
+        """
+        guard = self._lock
+        with guard.lock:
+            me = threading.get_ident()
+            previous, guard.reader = guard.reader, me
+            try:
+                yield self
+            finally:
+                guard.reader = previous
+
+    def _slice(self, bucket: _Bucket, leaves: list[Any], T: int, copy: bool) -> Any:
+        if bucket.single:
+            t = leaves[0]
+            for d in bucket.slice_dims[0]:
+                t = t.narrow(d, 0, T)
+            return t.clone(memory_format=torch.contiguous_format) if copy else t
+        out = []
+        for leaf, dims in zip(leaves, bucket.slice_dims):
+            for d in dims:
+                leaf = leaf.narrow(d, 0, T)
+            if copy and isinstance(leaf, torch.Tensor):
+                leaf = leaf.clone(memory_format=torch.contiguous_format)
+            out.append(leaf)
+        return pytree.tree_unflatten(out, bucket.spec)
+
+    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any) -> Any:
+        self._fallbacks[reason] += 1
+        self._calls += 1
+        with torch.no_grad(), live_scope(live):
+            return self._forward(*inputs)
+
+    # -- inspection ------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """``"graph"`` or ``"eager"`` (after any automatic fallback)."""
+        return self._mode
+
+    @property
+    def buckets(self) -> list[int]:
+        """The bucket ladder, ascending."""
+        return list(self._buckets_list)
+
+    @property
+    def is_captured(self) -> bool:
+        return self._captured
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        return [b for b in self._buckets_list if self._buckets[b].captured]
+
+    @property
+    def failed_buckets(self) -> dict[int, str]:
+        """Bucket -> ``"ExceptionType: message"`` for buckets whose capture raised."""
+        return {b: x.failure for b, x in self._buckets.items() if x.failure is not None}
+
+    def bucket_for(self, T: int) -> int | None:
+        """The bucket a call with ``T`` rows maps to (``None``: above the ladder), before fallbacks."""
+        return pick_bucket(self._buckets_list, T)
+
+    def graph(self, bucket: int) -> BreakableGraph:
+        """The captured graph of ``bucket`` (graph mode)."""
+        b = self._buckets.get(bucket)
+        if b is None or b.graph is None:
+            raise KeyError(f"no captured graph for bucket {bucket}")
+        return b.graph
+
+    def bucket_outputs(self, bucket: int) -> Any:
+        """The full, unsliced outputs of ``bucket``'s last run (padded rows included); valid until the next call."""
+        b = self._buckets.get(bucket)
+        if b is None or b.leaves is None:
+            raise KeyError(f"bucket {bucket} has no outputs (not captured, or not run yet in eager mode)")
+        return pytree.tree_unflatten(list(b.leaves), b.spec)
+
+    def pool(self) -> PoolHandle:
+        """The private pool every bucket's graph lives in; pass it as ``pool=`` to share it."""
+        if self._pool is None:
+            raise ReplayError("this GraphRunner has no pool yet: capture it first (graph mode)")
+        return self._pool
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The capture stream (graph mode, after capture)."""
+        return self._stream
+
+    def _pool_bytes(self) -> int:
+        if self._mode != "graph" or self._pool is None:
+            return 0
+        return pool_bytes(self._pool, self._device.index)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes.
+
+        ``capture_s`` ({bucket: seconds, warm-up included}), ``capture_total_s``,
+        ``pool_bytes`` (the shared pool: every bucket, and any other runner
+        sharing it), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
+        :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls}),
+        ``replays`` ({bucket: calls}), ``calls``, ``graph_calls``,
+        ``padding_ratio`` (padded rows / bucket rows over graph calls),
+        ``captured_buckets``, ``failed_buckets``, ``mode``, ``buckets``;
+        ``inline_replays`` (graph calls whose staged breakpoints ran inline) and
+        ``staged_fallbacks`` ({reason: graph calls that ran the breakable form}).
+        """
+        pool = self._pool_bytes()
+        alone = self._largest_alone
+        graph_stats = [x.graph.stats() for x in self._buckets.values() if x.graph is not None]
+        staged_fallbacks: dict[str, int] = {}
+        for st in graph_stats:
+            for reason, count in st.fallback_replays.items():
+                staged_fallbacks[reason] = staged_fallbacks.get(reason, 0) + count
+        return {
+            "mode": self._mode,
+            "buckets": list(self._buckets_list),
+            "captured_buckets": self.captured_buckets,
+            "failed_buckets": self.failed_buckets,
+            "capture_s": {b: x.capture_s for b, x in self._buckets.items() if x.captured or x.failure},
+            "capture_total_s": self._capture_total_s,
+            "pool_bytes": pool,
+            "largest_alone_pool_bytes": alone,
+            "pool_ratio": pool / alone if alone else None,
+            "calls": self._calls,
+            "graph_calls": self._graph_calls,
+            "replays": {b: x.replays for b, x in self._buckets.items()},
+            "fallbacks": dict(self._fallbacks),
+            "padding_ratio": 1 - self._real_rows / self._padded_rows if self._padded_rows else 0.0,
+            "inline_replays": sum(st.inline_replays for st in graph_stats),
+            "staged_fallbacks": staged_fallbacks,
+        }
+
+    # -- release ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse."""
+        with self._lock.lock:
+            for bucket in self._buckets.values():
+                bucket.leaves = None
+                if bucket.graph is not None:
+                    bucket.graph.reset()
+                    bucket.graph = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            if self._user_pool is None:
+                self._pool = None  # a pool whose graphs are all gone is not captured into again
+            self._largest_alone = None
+            self._clear_state()
+
+    def __enter__(self) -> GraphRunner:
+        if not self._captured:
+            self.capture()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reset()
+
+    def __repr__(self) -> str:
+        state = "captured" if self._captured else "not captured"
+        return (
+            f"GraphRunner({self.name}, mode={self._mode}, {state}, buckets={self._buckets_list}, "
+            f"failed={sorted(self.failed_buckets)})"
+        )

@@ -1,0 +1,197 @@
+"""The runner's inputs: what each position of ``example_inputs`` requires, call validation,
+and the static buffers every bucket's graph reads its inputs from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg.bridge import same_value
+
+PADDED, BY_REFERENCE, VALUE = "padded", "by_reference", "value"
+
+
+@dataclass(frozen=True, eq=False)
+class InputSpec:
+    """What one position of ``example_inputs`` requires of a call."""
+
+    index: int
+    kind: str  # PADDED, BY_REFERENCE or VALUE
+    example: Any
+    pad_dim: int = -1
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    shape: tuple[int, ...] = ()  # the example's shape (its pad dim is free)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def shape_text(self) -> str:
+        dims = ["T" if d == self.pad_dim else str(s) for d, s in enumerate(self.shape)]
+        return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+    def describe(self) -> str:
+        if self.kind == VALUE:
+            return f"the value {self.example!r} (non-tensor inputs are frozen at capture)"
+        if self.kind == BY_REFERENCE:
+            return (
+                f"the same {self.dtype} tensor of shape {tuple(self.shape)} on {self.device} as in "
+                "example_inputs (it is not padded, pad_dim None: the graphs read it in place)"
+            )
+        return f"a {self.dtype} tensor on {self.device} of shape {self.shape_text()}, T along dim {self.pad_dim}"
+
+
+def describe_inputs(examples: tuple[Any, ...], pad_dim: int | Sequence[int | None]) -> list[InputSpec]:
+    """One :class:`InputSpec` per example input; ``ValueError`` for a ``pad_dim`` that does not fit."""
+    if isinstance(pad_dim, int) and not isinstance(pad_dim, bool):
+        dims: list[int | None] = [pad_dim if isinstance(x, torch.Tensor) else None for x in examples]
+    else:
+        dims = list(pad_dim)  # type: ignore[arg-type]
+        if len(dims) != len(examples):
+            raise ValueError(
+                f"pad_dim has {len(dims)} entries but example_inputs has {len(examples)}: give one "
+                "entry per input (None for inputs that are not padded)"
+            )
+    specs = []
+    for i, (x, d) in enumerate(zip(examples, dims)):
+        if not isinstance(x, torch.Tensor):
+            if d is not None:
+                raise ValueError(f"input {i} is a {type(x).__name__}, not a tensor: its pad_dim must be None")
+            specs.append(InputSpec(i, VALUE, x))
+            continue
+        shape = tuple(x.shape)
+        if d is None:
+            specs.append(InputSpec(i, BY_REFERENCE, x, -1, x.dtype, x.device, shape))
+            continue
+        if x.dim() == 0 or not -x.dim() <= d < x.dim():
+            raise ValueError(
+                f"input {i} has shape {shape}, which has no dim {d} to pad; give pad_dim per input "
+                "(None for inputs that are not padded)"
+            )
+        specs.append(InputSpec(i, PADDED, x, d % x.dim(), x.dtype, x.device, shape))
+    return specs
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def check_inputs(specs: list[InputSpec], inputs: tuple[Any, ...], runner: str) -> int:
+    """Validate a call's inputs against the example's; return ``T``. Raises before any side effect."""
+    if len(inputs) != len(specs):
+        raise TypeError(
+            f"GraphRunner({runner}) takes {len(specs)} input(s), like example_inputs, "
+            f"but {len(inputs)} were given"
+        )
+    T = -1
+    first = -1
+    for s, x in zip(specs, inputs):
+        if s.kind == VALUE:
+            if not same_value(x, s.example):
+                raise ValueError(f"input {s.index} is {x!r}; expected {s.describe()}")
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input {s.index} is a {type(x).__name__}; expected {s.describe()}")
+        if x.dtype != s.dtype:
+            raise TypeError(f"input {s.index} has dtype {x.dtype}; expected {s.describe()}")
+        if x.device != s.device:
+            raise ValueError(f"input {s.index} is on {x.device}; expected {s.describe()}")
+        if s.kind == BY_REFERENCE:
+            if x is not s.example and not _same_tensor(x, s.example):
+                raise ValueError(f"input {s.index} is another tensor; expected {s.describe()}")
+            continue
+        shape = x.shape
+        d = s.pad_dim
+        if len(shape) != s.ndim or shape[:d] != s.shape[:d] or shape[d + 1 :] != s.shape[d + 1 :]:
+            raise ValueError(f"input {s.index} has shape {tuple(shape)}; expected {s.describe()}")
+        if T < 0:
+            T, first = shape[d], s.index
+        elif shape[d] != T:
+            raise ValueError(
+                f"input {s.index} has {shape[d]} rows along its pad dim {d} but input {first} has {T}: "
+                "all padded inputs must have the same size T"
+            )
+    return T
+
+
+class StaticInputs:
+    """The static buffers of the padded inputs, shared by every bucket.
+
+    A padded input whose dims before ``pad_dim`` are all 1 gets one buffer of
+    ``rows`` rows, and each bucket reads a prefix of it; any other gets one
+    buffer per bucket size. ``static_ptrs`` holds the storages of every buffer
+    and by-reference input (never sanitized: the graphs read them in place).
+    """
+
+    def __init__(self, specs: list[InputSpec], rows: int, device: torch.device) -> None:
+        self.specs = specs
+        self.padded = [s for s in specs if s.kind == PADDED]
+        self._device = device
+        self._buffers: dict[int, torch.Tensor] = {}  # input index -> shared buffer (``rows`` rows)
+        self._own_buffers: dict[tuple[int, int], torch.Tensor] = {}  # (input, size) -> buffer
+        self._views: dict[int, list[Any]] = {}
+        self.static_ptrs: set[int] = set()
+        for s in specs:
+            if s.kind == BY_REFERENCE:
+                self.static_ptrs.add(s.example.untyped_storage().data_ptr())
+        for s in self.padded:
+            if all(n == 1 for n in s.shape[: s.pad_dim]):  # a prefix along pad_dim stays contiguous
+                shape = list(s.shape)
+                shape[s.pad_dim] = rows
+                buf = torch.zeros(shape, dtype=s.dtype, device=device)
+                self._buffers[s.index] = buf
+                self.static_ptrs.add(buf.untyped_storage().data_ptr())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every static buffer (for inspection)."""
+        return [*self._buffers.values(), *self._own_buffers.values()]
+
+    def views(self, n: int) -> list[Any]:
+        """The inputs ``forward`` is run on at size ``n``: static buffers of ``n`` rows, and the rest."""
+        views = self._views.get(n)
+        if views is not None:
+            return views
+        views = []
+        for s in self.specs:
+            if s.kind != PADDED:
+                views.append(s.example)
+                continue
+            buf = self._buffers.get(s.index)
+            if buf is None:
+                shape = list(s.shape)
+                shape[s.pad_dim] = n
+                buf = torch.zeros(shape, dtype=s.dtype, device=self._device)
+                self._own_buffers[(s.index, n)] = buf
+                self.static_ptrs.add(buf.untyped_storage().data_ptr())
+            views.append(buf.narrow(s.pad_dim, 0, n))
+        self._views[n] = views
+        return views
+
+    def load_example(self, n: int) -> list[Any]:
+        """Fill the size-``n`` static inputs with the example's rows (zeros past them); return them."""
+        views = self.views(n)
+        for s in self.padded:
+            view = views[s.index]
+            view.zero_()
+            rows = min(n, s.shape[s.pad_dim])
+            view.narrow(s.pad_dim, 0, rows).copy_(s.example.narrow(s.pad_dim, 0, rows))
+        return views
+
+    def write(self, views: list[Any], inputs: tuple[Any, ...], T: int, zero_tail: bool) -> None:
+        """Copy a call's ``T`` rows into the bucket's ``views``; ``zero_tail``: zero the rows past ``T``."""
+        for s in self.padded:
+            view = views[s.index]
+            view.narrow(s.pad_dim, 0, T).copy_(inputs[s.index])
+            n = view.shape[s.pad_dim]
+            if zero_tail and T < n:
+                view.narrow(s.pad_dim, T, n - T).zero_()

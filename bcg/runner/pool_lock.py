@@ -1,0 +1,70 @@
+"""The call lock of the runners that share one pool: graphs sharing a pool must never replay concurrently."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+
+from bcg.pool import PoolHandle
+from bcg.replay import stream_readers
+
+log = logging.getLogger("bcg")
+
+_current_raw_stream = stream_readers()[1]
+
+
+class PoolCallLock:
+    """What every runner using one pool shares: the call lock, the stream of the last replay,
+    and who may read returned views (see "Threads" in ``docs/runner.md``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.last_stream: int | None = None  # raw cudaStream_t of the last replay
+        self.first_caller: int | None = None  # thread ident of the first call
+        self.shared = False  # called from more than one thread
+        self.reader: int | None = None  # the thread inside ``locked()``
+
+    def views_safe(self) -> bool:
+        """Whether this call (under the lock) may return views: one calling thread so far, or ``locked()``."""
+        me = threading.get_ident()
+        if self.first_caller is None:
+            self.first_caller = me
+        elif me != self.first_caller and not self.shared:
+            self.shared = True
+            log.info("bcg.GraphRunner: called from a second thread: outputs are copies from now on, "
+                     "except inside `with runner.locked():` (or pass copy_outputs=False/True)")
+        return not self.shared or self.reader == me
+
+    def serialize_streams(self, device: int) -> None:
+        """Order this replay after the previous one of any runner sharing the pool, if on another stream."""
+        current = _current_raw_stream(device)
+        last = self.last_stream
+        if last is not None and last != current:
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
+        self.last_stream = current
+
+
+class PoolLocks:
+    """One :class:`PoolCallLock` per pool, alive while some runner of that pool holds it.
+
+    Process-wide (runners created apart must find each other's lock through the
+    pool they share); entries go away with the last runner that holds them.
+    """
+
+    def __init__(self) -> None:
+        self._locks: weakref.WeakValueDictionary[tuple[int, ...], PoolCallLock] = weakref.WeakValueDictionary()
+        self._mutex = threading.Lock()
+
+    def for_pool(self, pool: PoolHandle, default: PoolCallLock) -> PoolCallLock:
+        """The lock of ``pool``: the one another runner registered, else ``default`` (registered now)."""
+        with self._mutex:
+            found = self._locks.get(tuple(pool))
+            if found is None:
+                self._locks[tuple(pool)] = found = default
+            return found
+
+
+POOL_LOCKS = PoolLocks()

@@ -1,0 +1,200 @@
+"""Staged breakpoints: live metadata staged in static device buffers, the breakpoint captured inline.
+
+A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
+*staged*. The contract:
+
+* ``fits(live) -> bool`` says whether this replay's live metadata is within the
+  static bounds the graph was captured with: the number of request slots, an
+  upper bound on ``max_seqlen``, a split count. What must be bounded is
+  whatever decides a launch configuration (grid sizes, loop counts, kernel choice).
+* ``prepare(live)`` writes the metadata that may vary at every replay
+  (``cu_seqlens``, ``seqused``, page tables: anything a kernel reads from device
+  memory) into :class:`StagingBuffer` s, on the host only, and returns the
+  object :func:`bcg.live` returns inside the breakpoint when it runs *inline*:
+  the buffers' device tensors and the static bounds (say, ``max_seqlen`` = the
+  bucket size). It must not launch work or synchronize.
+* At capture, bcg calls ``prepare`` with the capture's live metadata, captures
+  the copies of the buffers it wrote (pinned host to device) into the segment,
+  and runs the breakpoint's function inline: its kernels are recorded in the
+  segment, reading the device buffers. What ``prepare`` returned at capture is
+  frozen into the graph.
+* At replay, bcg asks ``fits(live)``; if every staged breakpoint fits, it calls
+  each distinct ``prepare`` once (breakpoints sharing one ``prepare`` function
+  share its buffers: stage once per forward, not per layer) and launches the
+  graph, which copies the buffers in. Otherwise it replays the graph's
+  breakable form, where the function runs eagerly and ``bcg.live()`` is the
+  real metadata; so the function must accept both.
+* Outside bcg (plain eager calls) the function runs with the real metadata;
+  ``prepare`` and ``fits`` are not called.
+
+A :class:`StagingBuffer` guards its pinned memory: :meth:`StagingBuffer.write`
+first waits until the GPU has read the previous value (an event recorded right
+after the graph's copy), so a replay queued behind others never reads a value
+meant for a later one. The host blocks only when the queue is so deep that the
+previous replay's copy has not run yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bcg import cudart
+from bcg.breakpoint import UNSET, BreakpointSpec, Recorder, live
+
+log = logging.getLogger("bcg")
+
+# The buffers written since the innermost ``collecting()`` began (None: nobody collects).
+_WRITTEN: contextvars.ContextVar[list[StagingBuffer] | None] = contextvars.ContextVar("bcg_staged", default=None)
+
+
+class StagingBuffer:
+    """A static device tensor whose value is written on the host at every replay.
+
+    Arguments:
+        shape: the buffer's shape (fixed: the static bound, e.g. request slots + 1).
+        dtype: its dtype.
+        device: the device tensor's device (default: the current CUDA device, or
+            the CPU when CUDA is unavailable, where no copy is pinned).
+
+    ``device`` is the tensor kernels read (its address never changes); ``host``
+    is pinned host memory that :meth:`write` fills.
+
+    .. warning::
+        Write it only from a ``prepare`` function: bcg uploads what ``prepare``
+        wrote (captured in the graph, or eagerly in eager runs).
+    """
+
+    def __init__(self, shape: int | Sequence[int], dtype: torch.dtype = torch.int32, device: Any = None) -> None:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device_tensor = torch.zeros(shape, dtype=dtype, device=device)
+        cuda = self.device_tensor.device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self._host_numpy = self.host.numpy().reshape(-1)
+        self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
+
+    @property
+    def device(self) -> torch.Tensor:
+        """The device tensor the captured kernels read."""
+        return self.device_tensor
+
+    def write(self, values: Sequence[Any] | torch.Tensor) -> None:
+        """Write ``values`` (as many numbers as the buffer holds) into the pinned host copy."""
+        if self._read is not None and not torch.cuda.is_current_stream_capturing():
+            # The GPU has copied the previous value in. (A capture starts with a device
+            # synchronize, so nothing is queued then, and waiting is not allowed.)
+            self._read.synchronize()
+        if isinstance(values, torch.Tensor):
+            values = values.reshape(-1).tolist()
+        if len(values) != len(self._host_numpy):
+            raise ValueError(
+                f"StagingBuffer.write got {len(values)} values for a buffer of {len(self._host_numpy)}: "
+                "write every element (fill unused slots with sentinels)"
+            )
+        self._host_numpy[:] = values
+        written = _WRITTEN.get()
+        if written is not None and self not in written:
+            written.append(self)
+
+    def upload(self) -> None:
+        """Copy the host value to the device on the current stream (captured when capturing)."""
+        if self._read is None:
+            self.device_tensor.copy_(self.host)
+            return
+        stream = torch.cuda.current_stream(self.device_tensor.device)
+        nbytes = self.host.numel() * self.host.element_size()
+        cudart.copy_host_to_device(self.device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
+        self._read.record(stream)
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[StagingBuffer]]:
+    """Collect the buffers written inside the block (in the order first written)."""
+    written: list[StagingBuffer] = []
+    token = _WRITTEN.set(written)
+    try:
+        yield written
+    finally:
+        _WRITTEN.reset(token)
+
+
+def stage(spec: BreakpointSpec, live: Any) -> tuple[Any, list[StagingBuffer]]:
+    """``spec.prepare(live)`` and the buffers it wrote."""
+    assert spec.prepare is not None
+    with collecting() as written:
+        staged = spec.prepare(live)
+    return staged, written
+
+
+@dataclass
+class Stager:
+    """The staged breakpoints of one capture: what a replay asks and prepares before launching.
+
+    ``fits``: one per staged breakpoint name (the first spec seen of that
+    name); ``prepares``: each distinct ``prepare`` function once, in the order
+    of the capture.
+    """
+
+    fits: dict[str, BreakpointSpec] = field(default_factory=dict)
+    prepares: list[Any] = field(default_factory=list)
+
+    def add(self, spec: BreakpointSpec) -> bool:
+        """Register a staged breakpoint; True when its ``prepare`` is new to this capture."""
+        self.fits.setdefault(spec.name, spec)
+        if any(p is spec.prepare for p in self.prepares):
+            return False
+        self.prepares.append(spec.prepare)
+        return True
+
+    def __bool__(self) -> bool:
+        return bool(self.prepares)
+
+    def misfit(self, live: Any) -> str | None:
+        """``None`` when every staged breakpoint fits ``live``, else the reason (``"<name> does not fit"``)."""
+        for name, spec in self.fits.items():
+            assert spec.fits is not None
+            if not spec.fits(live):
+                return f"{name} does not fit"
+        return None
+
+    def prepare(self, live: Any) -> None:
+        """Run every ``prepare`` once (host writes; the graph copies them in)."""
+        for prepare in self.prepares:
+            prepare(live)
+
+
+class EagerStaging:
+    """Staged breakpoints in eager runs (eager mode, warm-ups, verify's reference): the same
+    semantics as a replay, with the copies made eagerly.
+
+    Each staged breakpoint runs with ``bcg.live()`` returning the staged value
+    when ``fits(live)`` (``prepare`` runs once per run for each distinct
+    function, and its buffers are uploaded now), else ``live`` itself.
+    """
+
+    def __init__(self) -> None:
+        self._staged: dict[int, Any] = {}
+
+    def call(self, recorder: Recorder, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run staged breakpoint ``spec`` as breakpoint code of ``recorder``, with the staged value when it fits."""
+        value = self.live_for(spec, live(UNSET, static_ok=True))
+        return recorder.run_breakpoint(spec.fn, args, kwargs, live=value)
+
+    def live_for(self, spec: BreakpointSpec, live: Any) -> Any:
+        assert spec.fits is not None and spec.prepare is not None
+        if not spec.fits(live):
+            return live
+        key = id(spec.prepare)
+        if key not in self._staged:
+            staged, written = stage(spec, live)
+            for buf in written:
+                buf.upload()
+            self._staged[key] = staged
+        return self._staged[key]

@@ -1,0 +1,212 @@
+"""CPU tests of the bench's mode registry and of the staged attention (modes bcg-staged*).
+
+The staged attention's kernels need a GPU; here its host side is checked: the flags,
+the padded ``cu_seqlens`` that ``prepare`` writes, the bound it returns, ``fits``, the
+staged case's wiring, and the measures a row gets around the timed replays.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bcg
+from bcg.bench import cli, modes, registry, report
+from bcg.bench.workloads import llama
+
+
+def _tiny_model(args: object) -> llama.LlamaModel:
+    return llama.LlamaModel(llama.shape(args), torch.device("cpu"), max_pos=256)
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+
+def test_mode_modules_do_not_import_each_other_and_load_in_order() -> None:
+    """peers imported alone registers only the peers; load_modes adds bcg's modes, which run first."""
+    code = (
+        "import json, sys\n"
+        "import bcg.bench.peers\n"
+        "from bcg.bench.registry import MODES, MODE_MODULES, load_modes\n"
+        "print(json.dumps(['bcg.bench.modes' in sys.modules, list(MODES)]))\n"
+        "print(json.dumps(list(load_modes())))\n"
+        "print(json.dumps(MODE_MODULES))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    first, loaded, module_list = map(json.loads, proc.stdout.splitlines())
+    assert first == [False, ["piecewise-cuda-graphs", "breakable-cuda-graphs"]]
+    assert loaded == list(registry.MODES)  # the same order as when cli loaded them
+    assert loaded[:3] == ["eager", "floor", "bcg"] and loaded[-1] == "breakable-cuda-graphs"
+    assert module_list == ["bcg.bench.modes", "bcg.bench.peers"]
+
+
+# -- flags ----------------------------------------------------------------------------------------
+
+
+def test_slots_flag() -> None:
+    args = cli.parse_args([])
+    assert args.slots == 8
+    args = cli.parse_args(["--slots", "3", "--modes", "bcg-staged,bcg-staged-compile"])
+    assert args.slots == 3 and args.modes == ["bcg-staged", "bcg-staged-compile"]
+    assert llama.config(args, torch.device("cpu"))["slots"] == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_bad_slots_exit_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["--slots", value])
+    assert info.value.code == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert "--slots" in line
+
+
+# -- prepare and fits ---------------------------------------------------------------------------------
+
+
+def test_padded_offsets() -> None:
+    assert llama.padded_offsets([3, 5, 2], 5) == [0, 3, 8, 10, 10, 10]
+    assert llama.padded_offsets((3, 5, 2), 3) == [0, 3, 8, 10]  # every slot used: no sentinel
+    assert llama.padded_offsets([7], 1) == [0, 7]
+    with pytest.raises(ValueError, match="4 requests do not fit in 3 slots"):
+        llama.padded_offsets([1, 1, 1, 1], 3)
+
+
+def test_staged_prepare_writes_padded_offsets_and_returns_the_bound() -> None:
+    staged = llama.StagedAttention(4, torch.device("cpu"))
+    assert isinstance(staged.cu, bcg.StagingBuffer)
+    assert staged.cu.device.shape == (5,) and staged.cu.device.dtype == torch.int32
+
+    out = staged.prepare(llama.Batch((10, 2, 4)))
+    assert staged.cu.host.tolist() == [0, 10, 12, 16, 16]  # the unused slot repeats T: zero-length
+    assert out.cu is staged.cu.device  # the static device tensor the captured kernels read
+    assert out.max_len == 16  # the total tokens, a bound on the longest request (10)
+
+    out = staged.prepare(llama.Batch((1, 1, 1, 5)))  # every slot used
+    assert staged.cu.host.tolist() == [0, 1, 2, 3, 8]
+    assert out.max_len == 8 and out.cu is staged.cu.device
+
+
+def test_staged_fits_is_false_past_the_slots() -> None:
+    staged = llama.StagedAttention(3, torch.device("cpu"))
+    assert staged.fits(llama.Batch((5,))) is True
+    assert staged.fits(llama.Batch((1, 2, 3))) is True  # R requests
+    assert staged.fits(llama.Batch((1, 2, 3, 4))) is False  # R + 1
+
+
+def test_staged_breakpoints_share_one_prepare() -> None:
+    """Both staged breakpoints carry the same prepare and fits objects (bcg calls a shared prepare once
+    per replay), and the model makes one StagedAttention per slot count."""
+    model = _tiny_model(cli.parse_args(["--shape", "tiny"]))
+    staged = model.staged_attention(4)
+    assert model.staged_attention(4) is staged and model.staged_attention(2) is not staged
+    flash, varlen = staged.breakpoints["flash"], staged.breakpoints["varlen"]
+    specs = [bp.__bcg_breakpoint__ for bp in (flash, varlen)]
+    assert [s.name for s in specs] == ["attention_flash_staged", "attention_varlen_staged"]
+    assert specs[0].prepare is specs[1].prepare and specs[0].fits is specs[1].fits
+    assert specs[0].prepare.__self__ is staged and specs[0].mutates == ("out",)
+    # the same function as the plain breakpoints
+    assert flash.__wrapped__ is llama.attention_flash.__wrapped__ is llama.flash_attention
+    assert varlen.__wrapped__ is llama.attention_varlen.__wrapped__ is llama.varlen_attention
+
+
+# -- the staged case ------------------------------------------------------------------------------------
+
+
+def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU there is no staged form (the staged modes skip the point); where the kernel is usable
+    the staged case shares the static inputs and carries host-only live metadata."""
+    args = cli.parse_args(["--shape", "tiny", "--tokens", "32", "--slots", "6"], cuda=False)
+    model = _tiny_model(args)
+    dev = torch.device("cpu")
+    case = llama.make_case(model, args, dev, "flash", 32)
+    assert case.staged is None
+    with pytest.raises(registry.NotApplicable, match="no staged breakpoint"):
+        modes.build_bcg_staged(case, registry.BuildContext())
+
+    monkeypatch.setitem(llama._BACKENDS, "varlen", ("varlen_attn", lambda device: True))
+    case = llama.make_case(model, args, dev, "varlen", 32)
+    staged = case.staged
+    assert staged is not None and staged.staged is None
+    assert staged.bp is model.staged_attention(6).breakpoints["varlen"]
+    assert staged.static_args is case.static_args and staged.T == 32 and staged.attn == "varlen"
+    lengths = tuple(case.fields["lengths"])
+    for live in (staged.live, staged.fresh_live()):
+        assert live == llama.Batch(lengths) and live.cu is None  # host only: no device cu_seqlens per call
+    assert staged.live_for(32) == llama.Batch(lengths)  # the runner's capture at bucket T: sum = 32
+    assert sum(staged.live_for(20).lengths) == 20
+    # without a usable kernel, the staged breakpoint's function takes the host-only batch
+    fwd, ref_fwd = staged.forward(staged.bp), case.forward(case.bp)
+    with bcg.live_scope(staged.live):
+        out = fwd(*staged.static_args)
+    with bcg.live_scope(case.live):
+        ref = ref_fwd(*case.static_args)
+    assert torch.equal(out, ref)
+
+
+# -- row measures -----------------------------------------------------------------------------------------
+
+
+def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1}}
+    calls: list[int] = []
+
+    def run() -> torch.Tensor:
+        calls.append(1)
+        return torch.zeros(1)
+
+    start = modes._replay_measures(run, lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])})
+    stop = start()
+    stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3})  # the timed replays
+    out = stop()
+    assert out["inline_fraction"] == 0.75  # 6 inline of 8
+    assert out["staged_fallbacks"] == {"too many requests": 2}
+    assert out["host_us_per_replay"] > 0 and len(calls) == modes.HOST_CALLS
+    assert set(modes._replay_measures(run)()()) == {"host_us_per_replay"}  # not staged: host time only
+
+
+def test_measure_runs_around_the_timed_replays() -> None:
+    """A Built's measure starts before the timed replays and ends right after them; its fields go into the row."""
+    events: list[str] = []
+
+    @registry.register_mode("test-measured", needs_cuda=False)
+    def build(case: object, ctx: object) -> registry.Built:
+        built = modes.build_eager(case, ctx)  # type: ignore[arg-type]
+        run = built.run
+
+        def counted() -> torch.Tensor:
+            events.append("run")
+            return run()
+
+        def start() -> object:
+            events.append("start")
+            return lambda: {"measured_runs": events.count("run"), "host_us_per_replay": 1.5, "inline_fraction": 0.5}
+
+        return registry.Built(run=counted, measure=start)
+
+    try:
+        args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
+        dev = torch.device("cpu")
+        case = llama.make_case(_tiny_model(args), args, dev, "loop", 16)
+        ref = cli._reference(case, lambda: None)
+
+        def fail(mode: str, exc: Exception) -> None:
+            raise exc
+
+        (row,) = cli._measure_case(case, ["test-measured"], lambda compiled: ref, registry.BuildContext(), 3, 1,
+                                   lambda: None, failed=fail, skipped=fail, progress=lambda step: None)
+    finally:
+        del registry.MODES["test-measured"]
+    # first replay, start, (1 warm-up + 3 timed), stop, then the check replay
+    assert events == ["run", "start", "run", "run", "run", "run", "run"]
+    assert row["measured_runs"] == 5 and row["rel_err"] == 0.0
+    table = report.format_table([row])
+    title, head, _, line = table.splitlines()
+    assert title == "== llama =="
+    assert head.split()[-3:] == ["host", "us", "inline"]
+    assert line.split()[-2:] == ["1.5", "0.50"]

@@ -1,0 +1,114 @@
+"""Staged breakpoints without a GPU: the decorator's checks, StagingBuffer, and eager-mode semantics."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import bcg
+
+SLOTS = 3
+
+
+class _Staging:
+    def __init__(self) -> None:
+        self.buffer = bcg.StagingBuffer(SLOTS + 1, dtype=torch.int64, device="cpu")
+        self.prepared: list[tuple[int, ...]] = []
+
+    def prepare(self, lengths: tuple[int, ...]) -> dict:
+        self.prepared.append(lengths)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        self.buffer.write(offsets + [offsets[-1]] * (SLOTS + 1 - len(offsets)))
+        return {"offsets": self.buffer.device, "staged": True}
+
+    @staticmethod
+    def fits(lengths: tuple[int, ...]) -> bool:
+        return len(lengths) <= SLOTS
+
+
+def _segment_sums(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-request sums of ``x`` (rows split at ``offsets``), zero-padded to SLOTS rows."""
+    ids = torch.searchsorted(offsets[1:], torch.arange(x.shape[0]), right=True).clamp(max=SLOTS - 1)
+    return torch.zeros(SLOTS, x.shape[1], dtype=x.dtype).index_add_(0, ids, x)
+
+
+def _make(staging: _Staging, seen: list[bool]):  # noqa: ANN202
+    @bcg.breakpoint(name="sums", mutates=("out",), prepare=staging.prepare, fits=staging.fits)
+    def sums(x: torch.Tensor, out: torch.Tensor) -> None:
+        meta = bcg.live()
+        staged = isinstance(meta, dict)
+        seen.append(staged)
+        if staged:
+            out.copy_(_segment_sums(x, meta["offsets"]))
+        else:  # the real metadata
+            parts = torch.split(x, list(meta))
+            out.zero_()
+            for i, p in enumerate(parts[:SLOTS]):
+                out[i] = p.sum(0)
+            for p in parts[SLOTS:]:
+                out[SLOTS - 1] += p.sum(0)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out1 = torch.empty(SLOTS, x.shape[1])
+        sums(x, out1)
+        out2 = torch.empty(SLOTS, x.shape[1])
+        sums(x * 2, out2)
+        return out1 + out2
+
+    return fn
+
+
+def test_eager_mode_stages_once_per_run_when_it_fits_and_uses_the_real_metadata_otherwise() -> None:
+    staging, seen = _Staging(), []
+    fn = _make(staging, seen)
+    x = torch.randn(12, 5)
+    graph = bcg.make_graph(fn, x, mode="eager", live=(4, 8))
+    assert staging.prepared == [(4, 8)] and seen == [True, True]
+    assert graph.num_breakpoints == 0  # inline: part of the segment
+    for lengths in [(3, 3, 6), (12,), (2, 2, 2, 6), (1, 1, 1, 1, 8)]:
+        x.copy_(torch.randn(12, 5))
+        seen.clear()
+        staging.prepared.clear()
+        out = graph.replay(lengths)
+        fits = len(lengths) <= SLOTS
+        assert seen == [fits, fits]
+        assert staging.prepared == ([lengths] if fits else [])
+        expected = sum(_segment_sums(x * k, torch.tensor(list(itertools.accumulate(lengths, initial=0))[: SLOTS + 1]
+                                                          + [12] * max(0, SLOTS + 1 - len(lengths) - 1)))
+                       for k in (1, 2))
+        if fits:
+            torch.testing.assert_close(out, expected)
+        with bcg.live_scope(lengths):
+            torch.testing.assert_close(out, fn(x))  # the plain call: real metadata, no prepare
+
+
+def test_plain_calls_never_prepare() -> None:
+    staging, seen = _Staging(), []
+    fn = _make(staging, seen)
+    with bcg.live_scope((2, 2)):
+        fn(torch.randn(4, 3))
+    assert staging.prepared == [] and seen == [False, False]
+
+
+def test_the_decorator_wants_prepare_and_fits_together_and_no_stub() -> None:
+    with pytest.raises(TypeError, match="together"):
+        bcg.breakpoint(prepare=lambda live: live)(lambda x: x)
+    with pytest.raises(TypeError, match="together"):
+        bcg.breakpoint(fits=lambda live: True)(lambda x: x)
+    with pytest.raises(TypeError, match="capture_stub"):
+        bcg.breakpoint(prepare=lambda live: live, fits=lambda live: True, capture_stub=lambda x: x)(lambda x: x)
+    spec = bcg.breakpoint(prepare=lambda live: live, fits=lambda live: True)(lambda x: x).__bcg_breakpoint__
+    assert spec.staged
+
+
+def test_staging_buffer_takes_exactly_its_size() -> None:
+    buf = bcg.StagingBuffer(4, dtype=torch.int32, device="cpu")
+    buf.write([0, 1, 3, 3])
+    assert buf.host.tolist() == [0, 1, 3, 3]
+    buf.write(torch.tensor([[5, 6], [7, 8]]))
+    assert buf.host.tolist() == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="every element"):
+        buf.write([1, 2])
+    assert buf.host.tolist() == [5, 6, 7, 8] and buf.device.tolist() == [0, 0, 0, 0]  # no upload by itself

@@ -1,0 +1,219 @@
+"""Staged breakpoints on a GPU: attention captured inline, bit-identical to eager, with a breakable fallback."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import bcg
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machines
+    pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
+
+SLOTS = 4
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 8, 2, 64, 512
+DTYPE = torch.bfloat16
+FLASH = torch.ops.aten._flash_attention_forward.default
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Live metadata: request lengths; ``cu``/``max_len`` set only in the staged form."""
+
+    lengths: tuple[int, ...]
+    cu: torch.Tensor | None = None
+    bound: int | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.bound if self.bound is not None else max(self.lengths)
+
+
+class Staging:
+    """cu_seqlens for SLOTS requests; unused slots repeat the last offset (zero-length requests)."""
+
+    def __init__(self, forget_last: bool = False) -> None:
+        self.buffer = bcg.StagingBuffer(SLOTS + 1, dtype=torch.int32)
+        self.forget_last = forget_last  # a deliberately incomplete prepare, for verify
+        self.calls = 0
+
+    def prepare(self, meta: Meta) -> Meta:
+        self.calls += 1
+        lengths = meta.lengths[:-1] if self.forget_last and len(meta.lengths) > 1 else meta.lengths
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        offsets += [offsets[-1]] * (SLOTS + 1 - len(offsets))
+        self.buffer.write(offsets)
+        return Meta(meta.lengths, self.buffer.device, bound=sum(meta.lengths))
+
+    @staticmethod
+    def fits(meta: Meta) -> bool:
+        return len(meta.lengths) <= SLOTS
+
+
+def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    meta = bcg.live()
+    cu = meta.cu
+    if cu is None:  # the real metadata (eager, or the breakable form): exact offsets
+        cu = torch.tensor(list(itertools.accumulate(meta.lengths, initial=0)), dtype=torch.int32, device=q.device)
+    out.copy_(FLASH(q, k, v, cu, cu, meta.max_len, meta.max_len, 0.0, True, False)[0])
+
+
+def _make_attention(staging: Staging):  # noqa: ANN202
+    return bcg.breakpoint(name="attn", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(_attention_body)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, attention, layers: int = 2, compiled: bool = False) -> None:  # noqa: ANN001
+        super().__init__()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        self.w_qkv = [torch.randn(HIDDEN, qkv, device="cuda", dtype=DTYPE, generator=g) * 0.04 for _ in range(layers)]
+        self.w_o = [torch.randn(HEADS * HEAD_DIM, HIDDEN, device="cuda", dtype=DTYPE, generator=g) * 0.04 for _ in range(layers)]
+        self.attention = attention
+        self.mlp = torch.compile(self._mlp, dynamic=True) if compiled else self._mlp
+
+    @staticmethod
+    def _mlp(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x + o @ w_o, (x.shape[-1],))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        for w_qkv, w_o in zip(self.w_qkv, self.w_o):
+            q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+            out = torch.empty(T, HEADS, HEAD_DIM, device=x.device, dtype=x.dtype)
+            self.attention(q.reshape(T, HEADS, HEAD_DIM), k.reshape(T, KV_HEADS, HEAD_DIM),
+                           v.reshape(T, KV_HEADS, HEAD_DIM), out)
+            x = self.mlp(x, out.reshape(T, HEADS * HEAD_DIM), w_o)
+        return x
+
+
+def _lengths(rng: random.Random, T: int, requests: int) -> tuple[int, ...]:
+    cuts = sorted(rng.sample(range(1, T), requests - 1)) if requests > 1 else []
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, T]))
+
+
+def _capture_meta(n: int) -> Meta:
+    return Meta(_lengths(random.Random(n), n, min(SLOTS, n)))
+
+
+def _runner(block: Block, buckets: list[int]) -> bcg.GraphRunner:
+    x = torch.randn(buckets[-1], HIDDEN, device="cuda", dtype=DTYPE)
+    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), capture_live=_capture_meta, progress=False).capture()
+
+
+def _eager(block: Block, x: torch.Tensor, meta: Meta) -> torch.Tensor:
+    with bcg.live_scope(meta), torch.no_grad():
+        return block(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-regions", "torch.compile"])
+def test_inline_replays_are_bit_identical_to_eager_and_misfits_fall_back(compiled: bool) -> None:
+    staging = Staging()
+    block = Block(_make_attention(staging), compiled=compiled)
+    buckets = [64, 256]
+    for n in buckets:  # compile (and autotune) every shape before capturing
+        _eager(block, torch.randn(n, HIDDEN, device="cuda", dtype=DTYPE), _capture_meta(n))
+    runner = _runner(block, buckets)
+    rng = random.Random(1)
+    assert runner.graph(256).stats().staged == ("attn",)
+    expected_inline = 0
+    expected_fallback = 0
+    for i in range(120 if not compiled else 40):
+        T = rng.randint(SLOTS + 1, 256)
+        requests = rng.randint(1, SLOTS + 1)  # SLOTS + 1 does not fit: the breakable form runs
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        calls = staging.calls
+        y = runner(x, live=meta)
+        ref = _eager(block, x, meta)
+        assert torch.equal(y, ref), f"call {i}: T={T}, lengths={meta.lengths}"
+        if requests <= SLOTS:
+            expected_inline += 1
+            assert staging.calls == calls + 1  # one prepare per forward, shared by both layers
+        else:
+            expected_fallback += 1
+            assert staging.calls == calls
+    stats = runner.stats()
+    assert stats["inline_replays"] == expected_inline and expected_inline > 0
+    assert stats["staged_fallbacks"] == {"attn does not fit": expected_fallback} and expected_fallback > 0
+    runner.reset()
+
+
+def test_fifty_length_sets_per_bucket_from_one_to_all_slots() -> None:
+    staging = Staging()
+    block = Block(_make_attention(staging), layers=3)
+    buckets = [32, 128, 512]
+    runner = _runner(block, buckets)
+    rng = random.Random(7)
+    for n in buckets:
+        for requests in itertools.islice(itertools.cycle(range(1, SLOTS + 1)), 50):
+            T = rng.randint(max(requests, n // 2 + 1), n)
+            meta = Meta(_lengths(rng, T, requests))
+            x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+            assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), (n, meta.lengths)
+    assert runner.stats()["inline_replays"] == 150 and runner.stats()["staged_fallbacks"] == {}
+    runner.reset()
+
+
+def test_padded_rows_carry_no_nan_under_poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BCG_POISON", "1")
+    staging = Staging()
+    block = Block(_make_attention(staging))
+    runner = _runner(block, [256])
+    rng = random.Random(3)
+    for T in (1, 5, 100, 255):
+        meta = Meta(_lengths(rng, T, min(T, SLOTS)))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        y = runner(x, live=meta)
+        assert torch.equal(y, _eager(block, x, meta))
+        assert not torch.isnan(runner.bucket_outputs(256)).any(), f"T={T}: NaN in the bucket's rows"
+    runner.reset()
+
+
+def test_make_graph_holds_both_forms_and_outputs_are_the_same_tensors() -> None:
+    staging = Staging()
+    block = Block(_make_attention(staging))
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    graph = bcg.make_graph(block, x, live=Meta((50, 78)))
+    out = graph.outputs
+    assert graph.fallback is not None and graph.fallback.num_breakpoints == 2 and graph.num_breakpoints == 0
+    rng = random.Random(5)
+    for requests in (1, 4, 6, 2, 5):
+        meta = Meta(_lengths(rng, 128, requests))
+        x.copy_(torch.randn_like(x))
+        y = graph.replay(meta)
+        assert y is out
+        assert torch.equal(out, _eager(block, x, meta))
+    assert graph.stats().inline_replays == 3 and graph.stats().fallback_replays == {"attn does not fit": 2}
+    graph.reset()
+
+
+def test_a_graph_with_no_breakable_form_refuses_metadata_that_does_not_fit() -> None:
+    block = Block(_make_attention(Staging()))
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
+    _eager(block, x, Meta((64,)))
+    graph = bcg.BreakableGraph()
+    with bcg.capture(graph, live=Meta((64,))):
+        out = block(x)
+    assert torch.equal(graph.replay(Meta((30, 34))) or out, _eager(block, x, Meta((30, 34))))
+    with pytest.raises(bcg.ReplayError, match="does not fit"):
+        graph.replay(Meta((10,) * 5 + (14,)))
+    graph.reset()
+
+
+def test_verify_covers_inline_and_fallback_and_catches_an_incomplete_prepare() -> None:
+    def make_inputs() -> tuple[torch.Tensor]:
+        return (torch.randn(96, HIDDEN, device="cuda", dtype=DTYPE),)
+
+    rng = random.Random(11)
+    samples = [Meta(_lengths(rng, 96, r)) for r in (1, 2, 3, 4, 5, 6)]
+    report = bcg.verify(Block(_make_attention(Staging())), make_inputs, samples)
+    assert report.ok and report.samples == 6
+    with pytest.raises(bcg.VerificationError, match="output"):
+        bcg.verify(Block(_make_attention(Staging(forget_last=True))), make_inputs, samples)
