@@ -263,11 +263,12 @@ class CaptureSession(Recorder):
         assert spec.fits is not None and spec.prepare is not None
         value = live(UNSET, static_ok=True)
         if not spec.fits(value):
-            raise CaptureError(
-                f"staged breakpoint {spec.name!r}: the capture's live metadata does not fit its static "
-                "bounds (fits() returned False), so it cannot be captured inline. Capture with live "
-                "metadata that fits (the bucket's own), or capture with inline=False"
+            log.warning(
+                "bcg: staged breakpoint %r is captured as a breakpoint (breakable form): the capture's "
+                "live metadata does not fit its static bounds (fits() returned False). Capture with "
+                "metadata that fits, e.g. the bucket's own, to capture it inline", spec.name,
             )
+            return self.on_breakpoint(spec, args, kwargs)
         if self.stager.add(spec):
             staged, written = self.run_breakpoint(stage, (spec, value), {})
             for buf in written:

@@ -217,3 +217,16 @@ def test_verify_covers_inline_and_fallback_and_catches_an_incomplete_prepare() -
     assert report.ok and report.samples == 6
     with pytest.raises(bcg.VerificationError, match="output"):
         bcg.verify(Block(_make_attention(Staging(forget_last=True))), make_inputs, samples)
+
+
+def test_capture_metadata_that_does_not_fit_gives_the_breakable_form(caplog: pytest.LogCaptureFixture) -> None:
+    block = Block(_make_attention(Staging()))
+    x = torch.randn(120, HIDDEN, device="cuda", dtype=DTYPE)
+    too_many = Meta((20,) * 6)
+    graph = bcg.make_graph(block, x, live=too_many)
+    assert "captured as a breakpoint" in caplog.text
+    assert graph.stats().staged == () and graph.num_breakpoints == 2 and graph.fallback is None
+    for meta in (Meta((60, 60)), too_many):
+        x.copy_(torch.randn_like(x))
+        assert torch.equal(graph.replay(meta), _eager(block, x, meta))
+    graph.reset()
