@@ -75,7 +75,9 @@ def test_staged_falls_back_when_the_requests_exceed_the_slots(tmp_path: Path) ->
     assert rc == 0 and doc["errors"] == []
     assert [r["attn"] for r in rows] == ["flash", "varlen"] and doc["config"]["llama"]["slots"] == 2
     for row in rows:
-        assert row["inline_fraction"] == 0.0 and sum(row["staged_fallbacks"].values()) > 0, row
+        # the capture's own metadata (4 requests) does not fit 2 slots: the bucket is captured in
+        # its breakable form only (logged), so nothing runs inline and nothing counts as a fallback
+        assert row["inline_fraction"] == 0.0 and row["staged_fallbacks"] == {}, row
         assert row["rel_err"] == 0.0, row  # the breakable form runs the eager kernels
 
 
