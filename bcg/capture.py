@@ -163,7 +163,6 @@ class CaptureSession(Recorder):
         super().__init__()
         self.inline = inline
         self.stager = Stager()
-        self._staged: dict[int, Any] = {}  # id(prepare) -> what it returned at capture
         self.pool = pool
         self.owns_pool = owns_pool
         self.lease = PoolLease(device, pool, stream)
@@ -269,13 +268,15 @@ class CaptureSession(Recorder):
                 "metadata that fits, e.g. the bucket's own, to capture it inline", spec.name,
             )
             return self.on_breakpoint(spec, args, kwargs)
-        if self.stager.add(spec):
+        def stage_now() -> Any:
             staged, written = self.run_breakpoint(stage, (spec, value), {})
             for buf in written:
                 buf.upload()  # captured: the graph copies the host value in at every replay
-            self._staged[id(spec.prepare)] = staged
+            return staged
+
+        staged = self.stager.add(spec, stage_now)
         try:
-            result = self.run_breakpoint(spec.fn, args, kwargs, live=self._staged[id(spec.prepare)])
+            result = self.run_breakpoint(spec.fn, args, kwargs, live=staged)
         except BaseException as exc:
             add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
             raise

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,7 +174,7 @@ class BreakableGraph:
             capture_s=parts.capture_s,
             held_bytes=parts.held_bytes,
             pool_bytes_floor_estimate=max(pool - parts.held_bytes, 0),
-            staged=tuple(parts.stager.fits) if parts.stager is not None else (),
+            staged=tuple(parts.stager.names) if parts.stager is not None else (),
             inline_replays=self._inline_replays,
             fallback_replays=dict(self._fallback_replays),
         )

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +46,6 @@ import torch
 from bcg import cudart
 from bcg.breakpoint import UNSET, BreakpointSpec, Recorder, live
 
-log = logging.getLogger("bcg")
 
 # The buffers written since the innermost ``collecting()`` began (None: nobody collects).
 _WRITTEN: contextvars.ContextVar[list[StagingBuffer] | None] = contextvars.ContextVar("bcg_staged", default=None)
@@ -133,40 +130,50 @@ def stage(spec: BreakpointSpec, live: Any) -> tuple[Any, list[StagingBuffer]]:
     return staged, written
 
 
-@dataclass
 class Stager:
     """The staged breakpoints of one capture: what a replay asks and prepares before launching.
 
-    ``fits``: one per staged breakpoint name (the first spec seen of that
-    name); ``prepares``: each distinct ``prepare`` function once, in the order
-    of the capture.
+    Each distinct ``fits`` is asked, and each distinct ``prepare`` run, once per
+    replay, in the order the capture first met them. Functions are told apart
+    by ``==``, so ``obj.prepare`` (a new bound-method object at each access)
+    counts once.
     """
 
-    fits: dict[str, BreakpointSpec] = field(default_factory=dict)
-    prepares: list[Any] = field(default_factory=list)
+    def __init__(self) -> None:
+        self._fits: list[BreakpointSpec] = []
+        self._prepares: list[Any] = []
+        self.values: list[Any] = []  # what each prepare returned at capture
+        self.names: list[str] = []  # the staged breakpoints, each name once
 
-    def add(self, spec: BreakpointSpec) -> bool:
-        """Register a staged breakpoint; True when its ``prepare`` is new to this capture."""
-        self.fits.setdefault(spec.name, spec)
-        if any(p is spec.prepare for p in self.prepares):
-            return False
-        self.prepares.append(spec.prepare)
-        return True
+    def add(self, spec: BreakpointSpec, stage_now: Callable[[], Any]) -> Any:
+        """Register a staged breakpoint; return what its ``prepare`` returned at capture
+        (``stage_now()`` the first time this ``prepare`` is met)."""
+        if spec.name not in self.names:
+            self.names.append(spec.name)
+        if not any(s.fits == spec.fits for s in self._fits):
+            self._fits.append(spec)
+        for prepare, value in zip(self._prepares, self.values):
+            if prepare == spec.prepare:
+                return value
+        value = stage_now()
+        self._prepares.append(spec.prepare)
+        self.values.append(value)
+        return value
 
     def __bool__(self) -> bool:
-        return bool(self.prepares)
+        return bool(self._prepares)
 
     def misfit(self, live: Any) -> str | None:
         """``None`` when every staged breakpoint fits ``live``, else the reason (``"<name> does not fit"``)."""
-        for name, spec in self.fits.items():
+        for spec in self._fits:
             assert spec.fits is not None
             if not spec.fits(live):
-                return f"{name} does not fit"
+                return f"{spec.name} does not fit"
         return None
 
     def prepare(self, live: Any) -> None:
         """Run every ``prepare`` once (host writes; the graph copies them in)."""
-        for prepare in self.prepares:
+        for prepare in self._prepares:
             prepare(live)
 
 
@@ -180,7 +187,7 @@ class EagerStaging:
     """
 
     def __init__(self) -> None:
-        self._staged: dict[int, Any] = {}
+        self._staged: list[tuple[Any, Any]] = []  # (prepare, what it returned)
 
     def call(self, recorder: Recorder, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run staged breakpoint ``spec`` as breakpoint code of ``recorder``, with the staged value when it fits."""
@@ -191,10 +198,11 @@ class EagerStaging:
         assert spec.fits is not None and spec.prepare is not None
         if not spec.fits(live):
             return live
-        key = id(spec.prepare)
-        if key not in self._staged:
-            staged, written = stage(spec, live)
-            for buf in written:
-                buf.upload()
-            self._staged[key] = staged
-        return self._staged[key]
+        for prepare, staged in self._staged:
+            if prepare == spec.prepare:
+                return staged
+        staged, written = stage(spec, live)
+        for buf in written:
+            buf.upload()
+        self._staged.append((spec.prepare, staged))
+        return staged

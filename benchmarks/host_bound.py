@@ -40,6 +40,8 @@ from bcg.bench.workloads import llama
 VARIANTS: dict[str, Callable[[Any, registry.BuildContext], registry.Built]] = {
     "bcg-graph-compile": lambda case, ctx: modes._bcg_graph(case, ctx, None, compiled=True),
     "bcg-compile-nosanitize": lambda case, ctx: modes._bcg_runner(case, ctx, None, compiled=True, sanitize=False),
+    "bcg-staged-graph": lambda case, ctx: modes._bcg_graph(case.staged, ctx, None),
+    "bcg-staged-nosanitize": lambda case, ctx: modes._bcg_runner(case.staged, ctx, None, staged=True, sanitize=False),
 }
 
 

@@ -112,3 +112,28 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
     with pytest.raises(ValueError, match="every element"):
         buf.write([1, 2])
     assert buf.host.tolist() == [5, 6, 7, 8] and buf.device.tolist() == [0, 0, 0, 0]  # no upload by itself
+
+
+def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:
+    from bcg.staging import Stager
+
+    staging = _Staging()
+    calls = {"fits": 0}
+
+    class Bounds:
+        def fits(self, lengths: tuple[int, ...]) -> bool:
+            calls["fits"] += 1
+            return len(lengths) <= SLOTS
+
+    bounds = Bounds()
+    first = bcg.breakpoint(name="a", prepare=staging.prepare, fits=bounds.fits)(lambda x: x).__bcg_breakpoint__
+    second = bcg.breakpoint(name="b", prepare=staging.prepare, fits=bounds.fits)(lambda x: x).__bcg_breakpoint__
+    assert first.prepare is not second.prepare  # two bound-method objects of one method
+    stager = Stager()
+    staged = [stager.add(spec, lambda spec=spec: spec.prepare((4, 4))) for spec in (first, second, first)]
+    assert staged[0] is staged[1] is staged[2] and staging.prepared == [(4, 4)]
+    assert stager.names == ["a", "b"]
+    assert stager.misfit((1, 1)) is None and calls["fits"] == 1
+    assert stager.misfit((1,) * (SLOTS + 1)) == "a does not fit"
+    stager.prepare((2, 6))
+    assert staging.prepared == [(4, 4), (2, 6)] and staging.buffer.host.tolist() == [0, 2, 8, 8]

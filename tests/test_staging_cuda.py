@@ -102,9 +102,9 @@ def _capture_meta(n: int) -> Meta:
     return Meta(_lengths(random.Random(n), n, min(SLOTS, n)))
 
 
-def _runner(block: Block, buckets: list[int]) -> bcg.GraphRunner:
+def _runner(block: Block, buckets: list[int], capture_live=_capture_meta) -> bcg.GraphRunner:  # noqa: ANN001
     x = torch.randn(buckets[-1], HIDDEN, device="cuda", dtype=DTYPE)
-    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), capture_live=_capture_meta, progress=False).capture()
+    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), capture_live=capture_live, progress=False).capture()
 
 
 def _eager(block: Block, x: torch.Tensor, meta: Meta) -> torch.Tensor:
@@ -230,3 +230,33 @@ def test_capture_metadata_that_does_not_fit_gives_the_breakable_form(caplog: pyt
         x.copy_(torch.randn_like(x))
         assert torch.equal(graph.replay(meta), _eager(block, x, meta))
     graph.reset()
+
+
+def test_a_max_seqlen_over_the_bound_falls_back_and_stays_exact() -> None:
+    bound = 48
+
+    class Tight(Staging):
+        def prepare(self, meta: Meta) -> Meta:
+            staged = super().prepare(meta)
+            return Meta(staged.lengths, staged.cu, bound=bound)  # max_seqlen: 48, not the bucket
+
+        @staticmethod
+        def fits(meta: Meta) -> bool:
+            return len(meta.lengths) <= SLOTS and max(meta.lengths) <= bound
+
+    staging = Tight()
+    block = Block(_make_attention(staging))
+    runner = _runner(block, [128], capture_live=lambda n: Meta((n // SLOTS,) * SLOTS))  # each request <= bound
+    assert runner.graph(128).stats().staged == ("attn",)
+    rng = random.Random(13)
+    expected = {"attn does not fit": 0}
+    for _ in range(30):
+        T = rng.randint(60, 128)
+        meta = Meta(_lengths(rng, T, rng.randint(2, SLOTS)))
+        expected["attn does not fit"] += max(meta.lengths) > bound
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), meta.lengths
+    stats = runner.stats()
+    assert 0 < expected["attn does not fit"] < 30
+    assert stats["staged_fallbacks"] == expected and stats["inline_replays"] == 30 - expected["attn does not fit"]
+    runner.reset()

@@ -468,6 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{ladder['capture_s_total']:.2f} s; pool {ladder['pool_mib_total']:.1f} MiB all buckets vs "
             f"{ladder['pool_mib_largest_alone']:.1f} MiB largest alone (ratio {ladder['pool_ratio']:.3f})"
         )
+    ladder = extras.get("runner_staged")
+    if ladder:
+        print(
+            f"staged runner ladder (both forms per bucket): capture {ladder['capture_s_total']:.2f} s; pool "
+            f"{ladder['pool_mib_total']:.1f} MiB ({ladder['pool_ratio_to_breakable']:.3f}x the breakable ladder's)"
+        )
     ladder = extras.get("runner_compile")
     if ladder:
         print(

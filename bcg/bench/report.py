@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+
 def commit() -> str:
     """``$BCG_COMMIT`` if set, else ``git rev-parse --short HEAD`` (+``-dirty``), else ``"unknown"``."""
     env = os.environ.get("BCG_COMMIT")

@@ -26,6 +26,7 @@ from bcg.breakpoint import BreakpointSpec, Recorder, crossing_tensors, tensor_le
 from bcg.bridge import argument_keys, in_place_position
 from bcg.pool import blocks
 from bcg.runner.inputs import InputSpec
+from bcg.staging import StagingBuffer
 
 log = logging.getLogger("bcg")
 
@@ -179,7 +180,7 @@ class PaddingSanitizer:
         self._padded = padded
         self._device = device
         self._arange = torch.arange(rows, device=device)
-        self._t_dev = torch.zeros((), dtype=torch.long, device=device)
+        self._rows_real = StagingBuffer((), dtype=torch.long, device=device)  # T, copied in by the graph
         self._pad_mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._mask_views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._patterns: dict[int, set[Pattern]] = {}  # run size -> shapes of fresh crossing tensors
@@ -193,8 +194,9 @@ class PaddingSanitizer:
         return n in self._patterns
 
     def set_rows(self, T: int) -> None:
-        """Make ``T`` the real row count the next run or replay masks against (one ``fill_``)."""
-        self._t_dev.fill_(T)
+        """Make ``T`` the real row count the next run or replay masks against (a host write:
+        :meth:`zero_inputs`, at the start of the graph, copies it in)."""
+        self._rows_real.write((T,))
 
     def _mask_view(self, n: int, dim: int, ndim: int) -> torch.Tensor:
         key = (n, dim, ndim)
@@ -209,7 +211,8 @@ class PaddingSanitizer:
         """Compute the row mask and zero the padded inputs' rows ``>= T`` (captured as the graph's start)."""
         if not self.enabled:
             return
-        torch.ge(self._arange[:n], self._t_dev, out=self._pad_mask[:n])
+        self._rows_real.upload()
+        torch.ge(self._arange[:n], self._rows_real.device, out=self._pad_mask[:n])
         for s in self._padded:
             views[s.index].masked_fill_(self._mask_view(n, s.pad_dim, s.ndim), 0)
 

@@ -647,12 +647,18 @@ def compile_usable(device: torch.device) -> str | None:
 def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """``{"runner": ..., "runner_compile": ...}``: capture a GraphRunner over the default
     16-bucket ladder up to ``--ladder-max`` tokens (varlen attention, one pool, largest
-    first) and report capture seconds and pool sizes; then the same over Inductor-compiled
+    first) and report capture seconds and pool sizes; the same with the staged attention
+    (``runner_staged``: both forms per bucket; when mode ``bcg-staged`` is requested); then the same over Inductor-compiled
     regions from a fresh compile (when mode ``bcg-compile`` is requested and usable),
     reporting compile and capture seconds apart."""
     if device.type != "cuda" or args.ladder_max <= 0:
         return {}
     out = {"runner": _ladder(model, args, device, None)}
+    if (args.modes is None or "bcg-staged" in args.modes) and varlen_usable(device):
+        staged = out["runner_staged"] = _ladder(model, args, device, None, staged=True)
+        staged["pool_ratio_to_breakable"] = staged["pool_mib_total"] / out["runner"]["pool_mib_total"]
+        staged["note_staged"] = ("staged varlen attention: each bucket holds its inline form and its breakable "
+                                 "form in the one pool; pool_ratio_to_breakable compares with 'runner'")
     if (args.modes is None or "bcg-compile" in args.modes) and compile_usable(device) is None:
         with _cold_compile_caches():
             out["runner_compile"] = _ladder(model, args, device, model.compiled_regions(fresh=True))
@@ -668,16 +674,22 @@ def _cold_compile_caches() -> Any:
     return fresh()
 
 
-def _ladder(model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None) -> dict[str, Any]:
+def _ladder(
+    model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None, staged: bool = False
+) -> dict[str, Any]:
+    """The ladder over varlen attention; ``staged``: its staged form (host-only live metadata,
+    both forms per bucket)."""
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
+    bp = model.staged_attention(args.slots).breakpoints["varlen"] if staged else attention_varlen
 
     def live_for(n: int) -> Batch:
-        return Batch.build(tuple(request_lengths(n, min(args.requests, n), args.seed)), device)
+        lengths = tuple(request_lengths(n, min(args.requests, n), args.seed))
+        return Batch(lengths) if staged else Batch.build(lengths, device)
 
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return model.forward(x, pos, attention_varlen, regions)
+        return model.forward(x, pos, bp, regions)
 
     section: dict[str, Any] = {"buckets": buckets}
     if regions is not None:
