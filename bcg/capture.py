@@ -31,7 +31,6 @@ from bcg.breakpoint import (
     BreakpointSpec,
     Recorder,
     crossing_tensors,
-    live,
     reset_live,
     set_live,
     tensor_leaves,
@@ -51,7 +50,7 @@ from bcg.errors import (
     user_line,
 )
 from bcg.plan import BreakpointStep, GraphParts, SegmentStep, Step
-from bcg.staging import Stager, stage
+from bcg.staging import NOT_INLINE, Stager
 from bcg.pool import OWNERSHIPS, Ownership, PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 
 if TYPE_CHECKING:
@@ -259,27 +258,13 @@ class CaptureSession(Recorder):
         """A staged breakpoint, inline: its ``prepare``'s uploads and its kernels join the segment."""
         if not self.inline:
             return self.on_breakpoint(spec, args, kwargs)
-        assert spec.fits is not None and spec.prepare is not None
-        value = live(UNSET, static_ok=True)
-        if not spec.fits(value):
-            log.warning(
-                "bcg: staged breakpoint %r is captured as a breakpoint (breakable form): the capture's "
-                "live metadata does not fit its static bounds (fits() returned False). Capture with "
-                "metadata that fits, e.g. the bucket's own, to capture it inline", spec.name,
-            )
-            return self.on_breakpoint(spec, args, kwargs)
-        def stage_now() -> Any:
-            staged, written = self.run_breakpoint(stage, (spec, value), {})
-            for buf in written:
-                buf.upload()  # captured: the graph copies the host value in at every replay
-            return staged
-
-        staged = self.stager.add(spec, stage_now)
         try:
-            result = self.run_breakpoint(spec.fn, args, kwargs, live=staged)
+            result = self.stager.record(self, spec, args, kwargs)
         except BaseException as exc:
             add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
             raise
+        if result is NOT_INLINE:
+            return self.on_breakpoint(spec, args, kwargs)
         if self._after_breakpoint is not None:
             self._after_breakpoint(crossing_tensors(tensor_leaves(result), spec, args, kwargs))
         return result
@@ -645,6 +630,29 @@ def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseE
             f"capturing. {_CLEAN}"
         )
     return exc
+
+
+def capture_fallback(graph: BreakableGraph, fn: Callable[[], Any], release: Callable[[Any], Any] | None = None,
+                     **options: Any) -> Any:
+    """Capture ``fn()`` again, as the breakable form of ``graph``, into its pool; attach it.
+
+    ``graph`` holds the inline form, and its ``outputs`` must be set (held, so
+    that the new capture keeps apart from them). ``release`` maps the fallback's
+    outputs before they are kept (the runner's non-owning aliases). ``options``
+    are :class:`capture`'s. On failure ``graph`` is reset and the error raised:
+    a graph whose fallback is missing would refuse metadata that does not fit.
+    """
+    fallback = type(graph)()
+    try:
+        with capture(fallback, pool=graph.pool(), inline=False, **options):
+            out = fn()
+        fallback.outputs = release(out) if release is not None else out
+        graph.set_fallback(fallback)
+    except BaseException:
+        fallback.reset()
+        graph.reset()
+        raise
+    return fallback
 
 
 def _streams_in(tb: TracebackType | None, capture_handle: int) -> list[str]:

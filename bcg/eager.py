@@ -8,7 +8,9 @@ breakpoint call's output contract is recorded (a :class:`bcg.bridge.BridgeSet`
 that allocates nothing) and every replay is checked against it: the same
 breakpoints in the same order, the same output structure, shapes, dtypes,
 frozen values and in-place results, or :class:`bcg.BreakpointOutputMismatch`
--- the debugging mode is at least as strict as graph mode.
+-- the debugging mode is at least as strict as graph mode. Staged
+breakpoints run as in graph mode: inline (the recorded ``prepare`` values,
+this replay's buffers uploaded) when every one fits, else the breakable form.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg.breakpoint import BreakpointSpec, Recorder
+from bcg.breakpoint import BreakpointSpec, Recorder, live
 from bcg.bridge import BridgeSet
-from bcg.errors import BreakpointOutputMismatch, ReplayError
+from bcg.errors import BreakpointOutputMismatch
 from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.staging import EagerStaging
+from bcg.staging import NOT_INLINE, Stager
 
 log = logging.getLogger("bcg")
 
@@ -54,10 +54,11 @@ class EagerRecorder(Recorder):
         self._counter = _OpCounter()
         self._segments = 0
         self._breakpoints = 0
-        self._staging = EagerStaging()
+        self.stager = Stager()
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self._staging.call(self, spec, args, kwargs)  # inline: segment work, not a step
+        result = self.stager.record(self, spec, args, kwargs)  # inline: segment work, not a step
+        return self.on_breakpoint(spec, args, kwargs) if result is NOT_INLINE else result
 
     def __enter__(self) -> EagerRecorder:
         self._counter.__enter__()
@@ -99,14 +100,27 @@ class EagerReplay(Recorder):
 
     segment_label = "an eager-mode segment"
 
-    def __init__(self, plan: tuple[Step, ...]) -> None:
+    def __init__(self, plan: tuple[Step, ...], stager: Stager | None = None) -> None:
         super().__init__()
         self._steps = [s for s in plan if isinstance(s, BreakpointStep)]
         self._next = 0
-        self._staging = EagerStaging()
+        self._stager = stager
+        self._inline: bool | None = None  # decided at the first staged call, for the whole replay
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self._staging.call(self, spec, args, kwargs)
+        """As a graph replay: inline with the recorded values when every staged breakpoint fits
+        (each ``prepare`` runs once), else the breakable form (real metadata)."""
+        stager = self._stager
+        if stager is None or spec.name not in stager.names:
+            return self.on_breakpoint(spec, args, kwargs)  # recorded as a breakpoint
+        if self._inline is None:
+            value = live(static_ok=True)
+            self._inline = stager.misfit(value) is None
+            if self._inline:
+                stager.prepare_and_upload(value)
+        if self._inline:
+            return self.run_breakpoint(spec.fn, args, kwargs, live=stager.value(spec))
+        return self.run_breakpoint(spec.fn, args, kwargs)
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         k = self._next
@@ -134,23 +148,3 @@ class EagerReplay(Recorder):
                 f"{len(self._steps)} (next: {self._steps[self._next].name!r}): the control flow between "
                 "breakpoints changed, which graph mode would have frozen at capture"
             )
-
-
-def copy_outputs_into(dst: Any, src: Any) -> None:
-    """Copy a fresh eager result into the tensors of the first result (same structure, shapes, dtypes)."""
-    dst_leaves, dst_spec = pytree.tree_flatten(dst)
-    src_leaves, src_spec = pytree.tree_flatten(src)
-    if dst_spec != src_spec:
-        raise ReplayError(
-            f"eager replay returned {src_spec}, but the recording returned {dst_spec}; graph mode "
-            "returns the captured outputs, so the function must return the same structure every time"
-        )
-    for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
-        if isinstance(d, torch.Tensor):
-            if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
-                what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-                raise ReplayError(
-                    f"eager replay output {i} is {what} but was {tuple(d.shape)} {d.dtype} when recorded; "
-                    "graph mode's outputs have the captured shapes and dtypes"
-                )
-            d.copy_(s)

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 import torch.autograd.profiler as _profiler
+from torch.utils import _pytree as pytree
 
 from bcg import cudart
 from bcg.capture import capture_lock
-from bcg.eager import copy_outputs_into
 from bcg.errors import ReplayError
 from bcg.breakpoint import UNSET, reset_live, set_live
 from bcg.pool import PoolHandle, PoolLease, pool_bytes
@@ -79,8 +79,15 @@ class BreakableGraph:
 
     # -- filled by capture / make_graph ----------------------------------------------
     def install(self, parts: GraphParts) -> None:
-        """Make this graph replay ``parts`` (``bcg.capture`` and ``bcg.make_graph`` call it)."""
+        """Make this graph replay ``parts`` (``bcg.capture`` and ``bcg.make_graph`` call it).
+
+        Raises:
+            ReplayError: the graph already holds a capture (``reset()`` it first).
+        """
+        if self.is_captured:
+            raise ReplayError("this BreakableGraph already holds a capture: call graph.reset() before installing another")
         self.hold(parts.lease)
+        self._inline_replays, self._fallback_replays = 0, {}
         self._parts = parts
         self._plan = tuple(parts.plan)
         self._was_reset = False
@@ -90,10 +97,27 @@ class BreakableGraph:
         """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.
 
         ``graph`` must be captured from the same code and static inputs with
-        ``inline=False``, into this graph's pool; its outputs are copied into
-        this graph's ``outputs`` after it replays. ``reset()`` resets it too.
+        ``inline=False``, into this graph's pool. Both graphs' ``outputs`` must
+        be set (the tensors the captured code returned): after ``graph``
+        replays, its outputs are copied into this graph's, so callers keep
+        reading the same tensors. ``reset()`` resets it too.
         """
+        if self.outputs is None or graph.outputs is None:
+            raise ReplayError(
+                "set_fallback needs the outputs of both graphs: set graph.outputs (and fallback.outputs) to "
+                "the tensors each capture returned, so that a fallback replay can update this graph's outputs"
+            )
         self.fallback = graph
+
+    def staged_replays(self) -> tuple[int, dict[str, int]]:
+        """``(inline replays, {reason: replays of the fallback})`` so far (cheap: no allocator snapshot)."""
+        return self._inline_replays, dict(self._fallback_replays)
+
+    @property
+    def staged(self) -> tuple[str, ...]:
+        """The staged breakpoints captured inline (their names)."""
+        stager = self._parts.stager
+        return tuple(stager.names) if stager is not None else ()
 
     def hold(self, lease: PoolLease | None) -> None:
         """Keep ``lease`` (a share of the pool) until ``reset()``, releasing any other one held.
@@ -174,7 +198,7 @@ class BreakableGraph:
             capture_s=parts.capture_s,
             held_bytes=parts.held_bytes,
             pool_bytes_floor_estimate=max(pool - parts.held_bytes, 0),
-            staged=tuple(parts.stager.names) if parts.stager is not None else (),
+            staged=self.staged,
             inline_replays=self._inline_replays,
             fallback_replays=dict(self._fallback_replays),
         )
@@ -188,6 +212,11 @@ class BreakableGraph:
         the context-manager form, whose outputs are the tensors the captured
         code returned). A breakpoint that raises stops the replay; the graph
         stays replayable.
+
+        A graph with staged breakpoints first asks their ``fits(live)``: when
+        all fit, it runs their ``prepare(live)`` and launches; otherwise it
+        replays its ``fallback`` (the breakable form) and copies its outputs
+        into ``outputs``, or raises :class:`bcg.ReplayError` when it has none.
         """
         executor = self._executor
         parts = self._parts
@@ -199,7 +228,7 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{parts.device} but the current device is "
                 f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
             )
-        stager = parts.stager
+        stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
         if stager is not None:
             reason = stager.misfit(live)
             if reason is not None:
@@ -243,10 +272,12 @@ class BreakableGraph:
                 "graph.pool()) and attach it with graph.set_fallback(), or use bcg.make_graph / GraphRunner"
             )
         self._fallback_replays[reason] = self._fallback_replays.get(reason, 0) + 1
-        out = self.fallback.replay(live)
-        if self.outputs is not None and out is not None:
-            copy_outputs_into(self.outputs, out)
-        return self.outputs if self.outputs is not None else out
+        self._replaying += 1  # reset() must refuse while the fallback replays
+        try:
+            copy_outputs_into(self.outputs, self.fallback.replay(live), "the breakable form")
+        finally:
+            self._replaying -= 1
+        return self.outputs
 
     def _run_profiled(self) -> None:
         """Replay with a ``record_function`` range per step (only while a profiler runs)."""
@@ -341,3 +372,26 @@ class BreakableGraph:
             f"BreakableGraph({state}, mode={self.mode}, segments={self.num_segments}, "
             f"breakpoints={self.num_breakpoints})"
         )
+
+
+def copy_outputs_into(dst: Any, src: Any, source: str) -> None:
+    """Copy the result ``src`` (of ``source``: "an eager replay", ...) into the tensors of ``dst``.
+
+    Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
+    """
+    dst_leaves, dst_spec = pytree.tree_flatten(dst)
+    src_leaves, src_spec = pytree.tree_flatten(src)
+    if dst_spec != src_spec:
+        raise ReplayError(
+            f"{source} returned {src_spec}, but the capture returned {dst_spec}; graph mode "
+            "returns the captured outputs, so the function must return the same structure every time"
+        )
+    for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
+        if isinstance(d, torch.Tensor):
+            if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
+                what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ReplayError(
+                    f"{source}: output {i} is {what} but was {tuple(d.shape)} {d.dtype} at capture; "
+                    "graph mode's outputs have the captured shapes and dtypes"
+                )
+            d.copy_(s)

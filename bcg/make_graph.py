@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
-from bcg.breakpoint import UNSET, live_scope, recording
-from bcg.capture import capture, capture_lock, capture_stream
-from bcg.eager import EagerRecorder, EagerReplay, copy_outputs_into
-from bcg.graph import BreakableGraph, GraphParts, GraphSource
+from bcg.breakpoint import UNSET, recording
+from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
+from bcg.eager import EagerRecorder, EagerReplay
+from bcg.graph import BreakableGraph, copy_outputs_into
+from bcg.plan import GraphParts, GraphSource
 from bcg.pool import PoolHandle
+from bcg.staging import StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -68,13 +70,17 @@ def make_graph(
             outputs = source()
 
         def rerun() -> None:
-            checker = EagerReplay(graph.plan)
+            checker = EagerReplay(graph.plan, recorder.stager)
             with recording(checker):
                 result = source()
             checker.finish()
-            copy_outputs_into(graph.outputs, result)
+            copy_outputs_into(graph.outputs, result, "an eager replay")
 
-        graph.install(GraphParts(recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun))
+        graph.install(
+            GraphParts(
+                recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun, stager=recorder.stager or None
+            )
+        )
         log.info(
             "bcg: recorded %d segment(s) and %d breakpoint(s) in eager mode in %.3f s",
             graph.num_segments, graph.num_breakpoints, graph.stats().capture_s,
@@ -83,9 +89,10 @@ def make_graph(
         with capture_lock():  # the warm-up runs on the shared capture stream: no other capture meanwhile
             stream = stream if stream is not None else capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), live_scope(live):
-                for _ in range(warmup):
-                    source()
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):  # staged breakpoints run inline, as they will be captured
+                    with recording(StagedWarmup(), live):
+                        source()
             options: dict[str, Any] = dict(
                 stream=stream,
                 capture_error_mode=capture_error_mode,
@@ -97,11 +104,9 @@ def make_graph(
             )
             with capture(graph, pool=pool, **options):
                 outputs = source()
-            if graph.stats().staged:  # the breakable form, for metadata outside the staged bounds
-                fallback = BreakableGraph()
-                with capture(fallback, pool=graph.pool(), inline=False, **options):
-                    fallback.outputs = source()
-                graph.set_fallback(fallback)
+            graph.outputs = outputs
+            if graph.staged:  # the breakable form, for metadata outside the staged bounds
+                capture_fallback(graph, source, **options)
     graph.outputs = outputs
     graph.source = source
     return graph

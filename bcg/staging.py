@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from bcg import cudart
-from bcg.breakpoint import UNSET, BreakpointSpec, Recorder, live
+from bcg.breakpoint import BreakpointSpec, Recorder, live
+
+log = logging.getLogger("bcg")
 
 
 # The buffers written since the innermost ``collecting()`` began (None: nobody collects).
@@ -61,7 +64,8 @@ class StagingBuffer:
             the CPU when CUDA is unavailable, where no copy is pinned).
 
     ``device`` is the tensor kernels read (its address never changes); ``host``
-    is pinned host memory that :meth:`write` fills.
+    is pinned host memory that :meth:`write` fills. Integer, bool and
+    float16/32/64 dtypes (the host side is written through NumPy).
 
     .. warning::
         Write it only from a ``prepare`` function: bcg uploads what ``prepare``
@@ -71,8 +75,10 @@ class StagingBuffer:
     def __init__(self, shape: int | Sequence[int], dtype: torch.dtype = torch.int32, device: Any = None) -> None:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device_tensor = torch.zeros(shape, dtype=dtype, device=device)
-        cuda = self.device_tensor.device.type == "cuda"
+        if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) or dtype.is_complex:
+            raise TypeError(f"StagingBuffer holds integer, bool or float16/32/64 metadata, not {dtype}")
+        self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
+        cuda = self._device_tensor.device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
         self._host_numpy = self.host.numpy().reshape(-1)
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
@@ -80,10 +86,11 @@ class StagingBuffer:
     @property
     def device(self) -> torch.Tensor:
         """The device tensor the captured kernels read."""
-        return self.device_tensor
+        return self._device_tensor
 
     def write(self, values: Sequence[Any] | torch.Tensor) -> None:
-        """Write ``values`` (as many numbers as the buffer holds) into the pinned host copy."""
+        """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
+        into the pinned host copy."""
         if self._read is not None and not torch.cuda.is_current_stream_capturing():
             # The GPU has copied the previous value in. (A capture starts with a device
             # synchronize, so nothing is queued then, and waiting is not allowed.)
@@ -103,11 +110,14 @@ class StagingBuffer:
     def upload(self) -> None:
         """Copy the host value to the device on the current stream (captured when capturing)."""
         if self._read is None:
-            self.device_tensor.copy_(self.host)
+            self._device_tensor.copy_(self.host)
             return
-        stream = torch.cuda.current_stream(self.device_tensor.device)
-        nbytes = self.host.numel() * self.host.element_size()
-        cudart.copy_host_to_device(self.device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
+        stream = torch.cuda.current_stream(self._device_tensor.device)
+        if torch.cuda.is_current_stream_capturing():
+            nbytes = self.host.numel() * self.host.element_size()
+            cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
+        else:
+            self._device_tensor.copy_(self.host, non_blocking=True)
         self._read.record(stream)
 
 
@@ -131,34 +141,30 @@ def stage(spec: BreakpointSpec, live: Any) -> tuple[Any, list[StagingBuffer]]:
 
 
 class Stager:
-    """The staged breakpoints of one capture: what a replay asks and prepares before launching.
+    """The staged breakpoints of one recording: what a replay asks and prepares before launching.
 
     Each distinct ``fits`` is asked, and each distinct ``prepare`` run, once per
-    replay, in the order the capture first met them. Functions are told apart
-    by ``==``, so ``obj.prepare`` (a new bound-method object at each access)
-    counts once.
+    replay, in the order the recording first met them. Functions are told
+    apart by ``==``, so ``obj.prepare`` (a new bound-method object at each
+    access) counts once.
     """
 
     def __init__(self) -> None:
         self._fits: list[BreakpointSpec] = []
         self._prepares: list[Any] = []
-        self.values: list[Any] = []  # what each prepare returned at capture
-        self.names: list[str] = []  # the staged breakpoints, each name once
+        self._values: list[Any] = []  # what each prepare returned when recorded
+        self.names: list[str] = []  # the staged breakpoints recorded inline, each name once
+        self.misfits: list[str] = []  # those recorded as breakpoints: their metadata did not fit
 
-    def add(self, spec: BreakpointSpec, stage_now: Callable[[], Any]) -> Any:
-        """Register a staged breakpoint; return what its ``prepare`` returned at capture
-        (``stage_now()`` the first time this ``prepare`` is met)."""
-        if spec.name not in self.names:
-            self.names.append(spec.name)
-        if not any(s.fits == spec.fits for s in self._fits):
-            self._fits.append(spec)
-        for prepare, value in zip(self._prepares, self.values):
-            if prepare == spec.prepare:
-                return value
-        value = stage_now()
-        self._prepares.append(spec.prepare)
-        self.values.append(value)
-        return value
+    def _index(self, spec: BreakpointSpec) -> int | None:
+        return next((i for i, p in enumerate(self._prepares) if p == spec.prepare), None)
+
+    def value(self, spec: BreakpointSpec) -> Any:
+        """What ``spec``'s ``prepare`` returned when recorded (``KeyError``: not recorded inline)."""
+        i = self._index(spec)
+        if i is None or spec.name not in self.names:
+            raise KeyError(spec.name)
+        return self._values[i]
 
     def __bool__(self) -> bool:
         return bool(self._prepares)
@@ -172,37 +178,70 @@ class Stager:
         return None
 
     def prepare(self, live: Any) -> None:
-        """Run every ``prepare`` once (host writes; the graph copies them in)."""
+        """Run every ``prepare`` once (host writes; a graph copies them in)."""
         for prepare in self._prepares:
             prepare(live)
 
-
-class EagerStaging:
-    """Staged breakpoints in eager runs (eager mode, warm-ups, verify's reference): the same
-    semantics as a replay, with the copies made eagerly.
-
-    Each staged breakpoint runs with ``bcg.live()`` returning the staged value
-    when ``fits(live)`` (``prepare`` runs once per run for each distinct
-    function, and its buffers are uploaded now), else ``live`` itself.
-    """
-
-    def __init__(self) -> None:
-        self._staged: list[tuple[Any, Any]] = []  # (prepare, what it returned)
-
-    def call(self, recorder: Recorder, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run staged breakpoint ``spec`` as breakpoint code of ``recorder``, with the staged value when it fits."""
-        value = self.live_for(spec, live(UNSET, static_ok=True))
-        return recorder.run_breakpoint(spec.fn, args, kwargs, live=value)
-
-    def live_for(self, spec: BreakpointSpec, live: Any) -> Any:
-        assert spec.fits is not None and spec.prepare is not None
-        if not spec.fits(live):
-            return live
-        for prepare, staged in self._staged:
-            if prepare == spec.prepare:
-                return staged
-        staged, written = stage(spec, live)
+    def prepare_and_upload(self, live: Any) -> None:
+        """:meth:`prepare`, then copy what it wrote to the device now (eager runs)."""
+        with collecting() as written:
+            self.prepare(live)
         for buf in written:
             buf.upload()
-        self._staged.append((spec.prepare, staged))
-        return staged
+
+    def record(self, recorder: Recorder, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run staged breakpoint ``spec`` inline as ``recorder``'s breakpoint code; return its result.
+
+        The first time a ``prepare`` is met it runs with the recording's live
+        metadata and its buffers are uploaded (captured into the segment when
+        capturing); its return value, frozen from then on, is what
+        ``bcg.live()`` returns inside ``spec``. Returns :data:`NOT_INLINE`, and
+        runs nothing, when that metadata does not ``fit`` (logged once per name):
+        the caller records ``spec`` as a breakpoint instead.
+        """
+        assert spec.fits is not None and spec.prepare is not None
+        value = live(static_ok=True)
+        if not spec.fits(value):
+            if spec.name not in self.misfits:
+                self.misfits.append(spec.name)
+                log.warning(
+                    "bcg: staged breakpoint %r is recorded as a breakpoint (breakable form): the recording's "
+                    "live metadata does not fit its static bounds (fits() returned False). Record with "
+                    "metadata that fits, e.g. the bucket's own, to get it inline", spec.name,
+                )
+            return NOT_INLINE
+        if spec.name not in self.names:
+            self.names.append(spec.name)
+        if not any(s.fits == spec.fits for s in self._fits):
+            self._fits.append(spec)
+        i = self._index(spec)
+        if i is None:
+            staged, written = recorder.run_breakpoint(stage, (spec, value), {})
+            for buf in written:
+                buf.upload()  # captured, when capturing: the graph copies the host value in
+            self._prepares.append(spec.prepare)
+            self._values.append(staged)
+            i = len(self._values) - 1
+        return recorder.run_breakpoint(spec.fn, args, kwargs, live=self._values[i])
+
+
+NOT_INLINE: Any = object()
+"""What :meth:`Stager.record` returns for a staged breakpoint recorded as a breakpoint."""
+
+
+class StagedWarmup(Recorder):
+    """The active recorder of a warm-up before a capture: breakpoints are plain calls, staged
+    ones run inline (eagerly, with their buffers uploaded), as the capture will record them."""
+
+    segment_label = "a warm-up run"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stager = Stager()
+
+    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.run_breakpoint(spec.fn, args, kwargs)
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = self.stager.record(self, spec, args, kwargs)
+        return self.on_breakpoint(spec, args, kwargs) if result is NOT_INLINE else result

@@ -18,11 +18,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.breakpoint import BreakpointSpec, Recorder, live_scope, recording
-from bcg.eager import copy_outputs_into
 from bcg.errors import BcgError
-from bcg.graph import BreakableGraph
+from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.make_graph import make_graph
-from bcg.plan import BreakpointStep, GraphSource, SegmentStep
+from bcg.plan import BreakpointStep, GraphSource, SegmentStep, Step
 
 log = logging.getLogger("bcg")
 
@@ -55,15 +54,17 @@ class _EagerTapRecorder(Recorder):
 
     segment_label = "the eager reference run of bcg.verify"
 
-    def __init__(self, inline: bool) -> None:
+    def __init__(self, steps: set[int]) -> None:
         super().__init__()
         self.taps: list[_Tap] = []
-        self._inline = inline
+        self._steps = steps  # id() of the specs that are steps of the replayed plan
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._inline:  # captured inside a segment: compared through what reads its results
-            return self.run_breakpoint(spec.fn, args, kwargs)
-        return self.on_breakpoint(spec, args, kwargs)
+        if id(spec) in self._steps:
+            return self.on_breakpoint(spec, args, kwargs)
+        # inline in a segment (with the real metadata here: the exact reference): compared
+        # through what reads its results
+        return self.run_breakpoint(spec.fn, args, kwargs)
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tap = _Tap(spec.name, _read_tensors(spec, args, kwargs))
@@ -173,11 +174,11 @@ def verify(
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
         saved = _tensors(static)
-        replay_taps, replay_out, inline = _tapped_replay(graph, live)
+        replay_taps, replay_out, plan = _tapped_replay(graph, live)
         for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
             dst.copy_(src)
-        eager_taps, eager_out = _tapped_eager(source, live, inline)
-        found = _compare(graph, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
+        eager_taps, eager_out = _tapped_eager(source, live, plan)
+        found = _compare(plan, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
             log.warning("bcg.verify: %s", found)
@@ -188,18 +189,18 @@ def verify(
     return report
 
 
-def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor], bool]:
-    """The replay's taps and outputs, and whether staged breakpoints ran inline."""
+def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor], tuple[Step, ...]]:
+    """The replay's taps and outputs, and the plan that ran (the inline one, or the fallback's)."""
     if graph.mode != "graph":
         assert graph.source is not None
-        taps, _ = _tapped_eager(graph.source, live, inline=True)
+        taps, _ = _tapped_eager(graph.source, live, graph.plan)
         graph.replay(live=live)
-        return taps, _tensors(graph.outputs), True
-    plan, inline = graph.plan, True
+        return taps, _tensors(graph.outputs), graph.plan
+    plan = graph.plan
     if graph.would_fall_back(live) is not None:
         if graph.fallback is None:
             graph.replay(live)  # raises: says why, and what to do
-        plan, inline = graph.fallback.plan, False  # type: ignore[union-attr]
+        plan = graph.fallback.plan  # type: ignore[union-attr]
     else:
         graph.prepare_staged(live)
     taps: list[_Tap] = []
@@ -213,13 +214,13 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
                 taps.append(tap)
             else:
                 step.launch()
-    if plan is not graph.plan and graph.outputs is not None:
-        copy_outputs_into(graph.outputs, graph.fallback.outputs)  # type: ignore[union-attr]
-    return taps, _tensors(graph.outputs), inline
+    if plan is not graph.plan:
+        copy_outputs_into(graph.outputs, graph.fallback.outputs, "the breakable form")  # type: ignore[union-attr]
+    return taps, _tensors(graph.outputs), plan
 
 
-def _tapped_eager(source: GraphSource, live: Any, inline: bool) -> tuple[list[_Tap], list[torch.Tensor]]:
-    recorder = _EagerTapRecorder(inline)
+def _tapped_eager(source: GraphSource, live: Any, plan: tuple[Step, ...]) -> tuple[list[_Tap], list[torch.Tensor]]:
+    recorder = _EagerTapRecorder({id(s.spec) for s in plan if isinstance(s, BreakpointStep)})
     with recording(recorder, live):
         out = source()
     return recorder.taps, _tensors(out)
@@ -238,7 +239,7 @@ def _diff(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float, atol: float
 
 
 def _compare(
-    graph: BreakableGraph,
+    plan: tuple[Step, ...],
     sample: int,
     live: Any,
     replay_taps: list[_Tap],
@@ -254,7 +255,7 @@ def _compare(
     # segment index preceding each breakpoint, in plan order
     seg_before: list[int | None] = []
     last_seg: int | None = None
-    for step in graph.plan:
+    for step in plan:
         if isinstance(step, SegmentStep):
             last_seg = step.index
         else:
@@ -270,6 +271,7 @@ def _compare(
             return Mismatch(sample, live, "breakpoint", None, before, names[k], *d)
     d = _diff(replay_out, eager_out, rtol, atol)
     if d is not None:
-        last = graph.segments[-1].index if graph.segments else None
+        segments = [s for s in plan if isinstance(s, SegmentStep)]
+        last = segments[-1].index if segments else None
         return Mismatch(sample, live, "output", last, names[-1] if names else None, None, *d)
     return None

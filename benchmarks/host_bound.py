@@ -40,9 +40,15 @@ from bcg.bench.workloads import llama
 VARIANTS: dict[str, Callable[[Any, registry.BuildContext], registry.Built]] = {
     "bcg-graph-compile": lambda case, ctx: modes._bcg_graph(case, ctx, None, compiled=True),
     "bcg-compile-nosanitize": lambda case, ctx: modes._bcg_runner(case, ctx, None, compiled=True, sanitize=False),
-    "bcg-staged-graph": lambda case, ctx: modes._bcg_graph(case.staged, ctx, None),
-    "bcg-staged-nosanitize": lambda case, ctx: modes._bcg_runner(case.staged, ctx, None, staged=True, sanitize=False),
+    "bcg-staged-graph": lambda case, ctx: modes._bcg_graph(_staged(case), ctx, None),
+    "bcg-staged-nosanitize": lambda case, ctx: modes._bcg_runner(_staged(case), ctx, None, staged=True, sanitize=False),
 }
+
+
+def _staged(case: Any) -> Any:
+    if case.staged is None:
+        raise registry.NotApplicable(f"{case.label} has no staged breakpoint here")
+    return case.staged
 
 
 def _median_us(fn: Callable[[], Any], wait: bool, iters: int = 30) -> float:

@@ -98,3 +98,31 @@ def test_no_module_imports_another_modules_private_names() -> None:
                     if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name != "_native":
                         offences.append(f"{name}: from {node.module} import {alias.name}")
     assert not offences, offences
+
+
+def test_no_module_uses_another_modules_private_attributes() -> None:
+    """``module._name`` where ``module`` is a bcg module imported by name (``from bcg import native``)."""
+    offences = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bcg"):
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in MODULES:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in MODULES and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                offences.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not offences, offences

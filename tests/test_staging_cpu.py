@@ -115,7 +115,8 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
 
 
 def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:
-    from bcg.staging import Stager
+    from bcg.breakpoint import recording
+    from bcg.staging import StagedWarmup
 
     staging = _Staging()
     calls = {"fits": 0}
@@ -126,14 +127,34 @@ def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_includ
             return len(lengths) <= SLOTS
 
     bounds = Bounds()
-    first = bcg.breakpoint(name="a", prepare=staging.prepare, fits=bounds.fits)(lambda x: x).__bcg_breakpoint__
-    second = bcg.breakpoint(name="b", prepare=staging.prepare, fits=bounds.fits)(lambda x: x).__bcg_breakpoint__
-    assert first.prepare is not second.prepare  # two bound-method objects of one method
-    stager = Stager()
-    staged = [stager.add(spec, lambda spec=spec: spec.prepare((4, 4))) for spec in (first, second, first)]
-    assert staged[0] is staged[1] is staged[2] and staging.prepared == [(4, 4)]
+    seen = []
+    a = bcg.breakpoint(name="a", prepare=staging.prepare, fits=bounds.fits)(lambda x: seen.append(bcg.live()))
+    b = bcg.breakpoint(name="b", prepare=staging.prepare, fits=bounds.fits)(lambda x: seen.append(bcg.live()))
+    assert a.__bcg_breakpoint__.prepare is not b.__bcg_breakpoint__.prepare  # two bound-method objects
+    warmup = StagedWarmup()
+    with recording(warmup, (4, 4)):
+        a(1), b(1), a(1)
+    stager = warmup.stager
+    assert staging.prepared == [(4, 4)] and seen[0] is seen[1] is seen[2] and seen[0]["staged"]
     assert stager.names == ["a", "b"]
-    assert stager.misfit((1, 1)) is None and calls["fits"] == 1
+    calls["fits"] = 0
+    assert stager.misfit((1, 1)) is None and calls["fits"] == 1  # one fits function: asked once
     assert stager.misfit((1,) * (SLOTS + 1)) == "a does not fit"
     stager.prepare((2, 6))
     assert staging.prepared == [(4, 4), (2, 6)] and staging.buffer.host.tolist() == [0, 2, 8, 8]
+    assert stager.value(b.__bcg_breakpoint__) is seen[0]
+
+
+def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: pytest.LogCaptureFixture) -> None:
+    staging, seen = _Staging(), []
+    fn = _make(staging, seen)
+    x = torch.randn(12, 5)
+    graph = bcg.make_graph(fn, x, mode="eager", live=(3, 3, 3, 3))
+    assert graph.num_breakpoints == 2 and graph.staged == () and staging.prepared == []
+    assert caplog.text.count("recorded as a breakpoint") == 1  # once per name
+    for lengths in [(6, 6), (2, 2, 2, 6)]:
+        x.copy_(torch.randn(12, 5))
+        with bcg.live_scope(lengths):
+            expected = fn(x)
+        torch.testing.assert_close(graph.replay(lengths), expected)
+    assert staging.prepared == []

@@ -201,9 +201,21 @@ def test_a_graph_with_no_breakable_form_refuses_metadata_that_does_not_fit() -> 
     graph = bcg.BreakableGraph()
     with bcg.capture(graph, live=Meta((64,))):
         out = block(x)
-    assert torch.equal(graph.replay(Meta((30, 34))) or out, _eager(block, x, Meta((30, 34))))
+    assert graph.replay(Meta((30, 34))) is None
+    assert torch.equal(out, _eager(block, x, Meta((30, 34))))
     with pytest.raises(bcg.ReplayError, match="does not fit"):
         graph.replay(Meta((10,) * 5 + (14,)))
+    # the context-manager form gets its breakable form by hand: outputs on both graphs first
+    fallback = bcg.BreakableGraph()
+    with pytest.raises(bcg.ReplayError, match="outputs"):
+        graph.set_fallback(fallback)
+    with bcg.capture(fallback, pool=graph.pool(), live=Meta((64,)), inline=False):
+        fallback_out = block(x)
+    graph.outputs, fallback.outputs = out, fallback_out
+    graph.set_fallback(fallback)
+    too_many = Meta((10,) * 5 + (14,))
+    assert graph.replay(too_many) is out
+    assert torch.equal(out, _eager(block, x, too_many))
     graph.reset()
 
 
@@ -260,3 +272,37 @@ def test_a_max_seqlen_over_the_bound_falls_back_and_stays_exact() -> None:
     assert 0 < expected["attn does not fit"] < 30
     assert stats["staged_fallbacks"] == expected and stats["inline_replays"] == 30 - expected["attn does not fit"]
     runner.reset()
+
+
+def test_verify_with_capture_metadata_that_does_not_fit() -> None:
+    def make_inputs() -> tuple[torch.Tensor]:
+        return (torch.randn(96, HIDDEN, device="cuda", dtype=DTYPE),)
+
+    rng = random.Random(17)
+    samples = [Meta(_lengths(rng, 96, r)) for r in (6, 2, 5)]  # the capture's (the first) does not fit
+    report = bcg.verify(Block(_make_attention(Staging())), make_inputs, samples)
+    assert report.ok and report.graph.staged == () and report.graph.num_breakpoints == 2
+
+
+def test_reset_from_a_breakpoint_of_the_fallback_is_refused_and_frees_nothing() -> None:
+    holder: dict[str, bcg.BreakableGraph] = {}
+    staging = Staging()
+
+    @bcg.breakpoint(name="attn", mutates=("out",), prepare=staging.prepare, fits=staging.fits)
+    def attention(q, k, v, out):  # noqa: ANN001, ANN202
+        if "graph" in holder and len(bcg.live().lengths) > SLOTS and bcg.live().cu is None:
+            holder["graph"].reset()
+        _attention_body(q, k, v, out)
+
+    block = Block(attention)
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
+    graph = bcg.make_graph(block, x, live=Meta((32, 32)))
+    holder["graph"] = graph
+    with pytest.raises(bcg.ReplayError, match="while this graph is replaying"):
+        graph.replay(Meta((10,) * 5 + (14,)))
+    assert graph.is_captured and graph.fallback is not None
+    meta = Meta((20, 44))
+    assert torch.equal(graph.replay(meta), _eager(block, x, meta))
+    holder.clear()
+    graph.reset()
+    assert not graph.is_captured

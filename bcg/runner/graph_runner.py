@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from bcg.breakpoint import UNSET, live_scope, recording
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
-from bcg.capture import capture, capture_lock, capture_stream
+from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
 from bcg.errors import BcgError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
@@ -298,20 +298,23 @@ class GraphRunner:
         # buckets captured next reuse their memory (outputs are valid until the next call).
         assert self._pool is not None
         membership = PoolMembership(self._pool, self._device.index or 0)
-        if graph.stats().staged:
-            # The breakable form, for calls whose metadata does not fit: captured while the
-            # inline form's outputs are held, so that they stay apart; its outputs are copied
-            # into the inline form's by graph.replay.
-            fallback, fallback_out = self._capture_graph(n, self._pool, inline=False)
-            fallback.outputs = membership.release(fallback_out)
-            graph.set_fallback(fallback)
-            del fallback_out
+        graph.outputs = out
+        if graph.staged:
+            # The breakable form, for calls whose metadata does not fit, captured while the
+            # inline form's outputs are held; graph.replay copies its outputs into those.
+            static, sanitizer = self._setup()
+            views = static.load_example(n)  # before the capture: its copies must not be captured
+            capture_fallback(
+                graph, lambda: self._padded_forward(n, views), membership.release,
+                stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
+                ownership="pool", after_breakpoint=sanitizer.hook(n),
+            )
         graph.outputs = membership.release(out)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
         bucket.leaves = leaves
         bucket.captured = True
 
-    def _capture_graph(self, n: int, pool: PoolHandle | None, inline: bool = True) -> tuple[BreakableGraph, Any]:
+    def _capture_graph(self, n: int, pool: PoolHandle | None) -> tuple[BreakableGraph, Any]:
         static, sanitizer = self._setup()
         views = static.load_example(n)
         sanitizer.set_rows(n)
@@ -324,7 +327,6 @@ class GraphRunner:
             live=self._live_for(n),
             ownership="pool",
             after_breakpoint=sanitizer.hook(n),
-            inline=inline,
         ):
             out = self._padded_forward(n, views)
         return graph, out
@@ -558,10 +560,10 @@ class GraphRunner:
         """
         pool = self._pool_bytes()
         alone = self._largest_alone
-        graph_stats = [x.graph.stats() for x in self._buckets.values() if x.graph is not None]
+        staged = [x.graph.staged_replays() for x in self._buckets.values() if x.graph is not None]
         staged_fallbacks: dict[str, int] = {}
-        for st in graph_stats:
-            for reason, count in st.fallback_replays.items():
+        for _, fallbacks in staged:
+            for reason, count in fallbacks.items():
                 staged_fallbacks[reason] = staged_fallbacks.get(reason, 0) + count
         return {
             "mode": self._mode,
@@ -578,7 +580,7 @@ class GraphRunner:
             "replays": {b: x.replays for b, x in self._buckets.items()},
             "fallbacks": dict(self._fallbacks),
             "padding_ratio": 1 - self._real_rows / self._padded_rows if self._padded_rows else 0.0,
-            "inline_replays": sum(st.inline_replays for st in graph_stats),
+            "inline_replays": sum(inline for inline, _ in staged),
             "staged_fallbacks": staged_fallbacks,
         }
 

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg.breakpoint import BreakpointSpec, Recorder, crossing_tensors, tensor_leaves
+from bcg.breakpoint import BreakpointSpec, crossing_tensors, tensor_leaves
 from bcg.bridge import argument_keys, in_place_position
 from bcg.pool import blocks
 from bcg.runner.inputs import InputSpec
-from bcg.staging import StagingBuffer
+from bcg.staging import NOT_INLINE, StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -123,14 +123,15 @@ class _AllocatorStorages:
 # -- the recorder of eager runs ------------------------------------------------------------------
 
 
-class CrossingRecorder(Recorder):
+class CrossingRecorder(StagedWarmup):
     """The active recorder of the runner's eager runs (warm-ups, probes, ``mode="eager"`` calls).
 
-    Breakpoints run as plain calls; then ``on_crossing(tensors, bridged)`` gets
-    the tensors crossing it (as :class:`bcg.capture` passes them to
-    ``after_breakpoint``: the ``k``-th call of an eager run lines up with the
-    ``k``-th of a capture), and for each whether a capture gives it a bridge (a
-    returned tensor that is not one of the arguments exactly).
+    Breakpoints run as plain calls, staged ones inline (as a capture records
+    them); then ``on_crossing(tensors, bridged)`` gets the tensors crossing it
+    (as :class:`bcg.capture` passes them to ``after_breakpoint``: the ``k``-th
+    call of an eager run lines up with the ``k``-th of a capture), and for each
+    whether a capture gives it a bridge (a returned tensor that is not one of
+    the arguments exactly; never for a staged breakpoint run inline).
     """
 
     segment_label = "GraphRunner's eager run"
@@ -142,12 +143,25 @@ class CrossingRecorder(Recorder):
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = self.run_breakpoint(spec.fn, args, kwargs)
         if self._on_crossing is not None:
-            results = tensor_leaves(result)
             keys = argument_keys(args, kwargs)
-            bridges = {id(t) for t in results if in_place_position(t, keys) is None}
-            crossing = crossing_tensors(results, spec, args, kwargs)
-            self._on_crossing(crossing, [id(t) in bridges for t in crossing])
+            self._report(spec, result, args, kwargs, lambda t: in_place_position(t, keys) is None)
         return result
+
+    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = self.stager.record(self, spec, args, kwargs)
+        if result is NOT_INLINE:
+            return self.on_breakpoint(spec, args, kwargs)
+        if self._on_crossing is not None:
+            self._report(spec, result, args, kwargs, lambda t: False)
+        return result
+
+    def _report(self, spec: BreakpointSpec, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                bridged: Callable[[torch.Tensor], bool]) -> None:
+        assert self._on_crossing is not None
+        results = tensor_leaves(result)
+        bridges = {id(t) for t in results if bridged(t)}
+        crossing = crossing_tensors(results, spec, args, kwargs)
+        self._on_crossing(crossing, [id(t) in bridges for t in crossing])
 
 
 # -- the sanitizer --------------------------------------------------------------------------------
@@ -180,7 +194,7 @@ class PaddingSanitizer:
         self._padded = padded
         self._device = device
         self._arange = torch.arange(rows, device=device)
-        self._rows_real = StagingBuffer((), dtype=torch.long, device=device)  # T, copied in by the graph
+        self._t_dev = torch.zeros((), dtype=torch.long, device=device)
         self._pad_mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._mask_views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._patterns: dict[int, set[Pattern]] = {}  # run size -> shapes of fresh crossing tensors
@@ -194,9 +208,8 @@ class PaddingSanitizer:
         return n in self._patterns
 
     def set_rows(self, T: int) -> None:
-        """Make ``T`` the real row count the next run or replay masks against (a host write:
-        :meth:`zero_inputs`, at the start of the graph, copies it in)."""
-        self._rows_real.write((T,))
+        """Make ``T`` the real row count the next run or replay masks against (one ``fill_``)."""
+        self._t_dev.fill_(T)
 
     def _mask_view(self, n: int, dim: int, ndim: int) -> torch.Tensor:
         key = (n, dim, ndim)
@@ -211,8 +224,7 @@ class PaddingSanitizer:
         """Compute the row mask and zero the padded inputs' rows ``>= T`` (captured as the graph's start)."""
         if not self.enabled:
             return
-        self._rows_real.upload()
-        torch.ge(self._arange[:n], self._rows_real.device, out=self._pad_mask[:n])
+        torch.ge(self._arange[:n], self._t_dev, out=self._pad_mask[:n])
         for s in self._padded:
             views[s.index].masked_fill_(self._mask_view(n, s.pad_dim, s.ndim), 0)
 
