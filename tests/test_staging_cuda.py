@@ -236,7 +236,7 @@ def test_capture_metadata_that_does_not_fit_gives_the_breakable_form(caplog: pyt
     x = torch.randn(120, HIDDEN, device="cuda", dtype=DTYPE)
     too_many = Meta((20,) * 6)
     graph = bcg.make_graph(block, x, live=too_many)
-    assert "captured as a breakpoint" in caplog.text
+    assert "recorded as a breakpoint" in caplog.text
     assert graph.stats().staged == () and graph.num_breakpoints == 2 and graph.fallback is None
     for meta in (Meta((60, 60)), too_many):
         x.copy_(torch.randn_like(x))
