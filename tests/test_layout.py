@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "bcg"
 
@@ -61,68 +60,92 @@ def test_the_layout_check_sees_the_package() -> None:
     assert "bcg.breakpoint" in graph["bcg.capture"]
 
 
-def test_no_import_loops() -> None:
-    graph = _graph()
-    # a package imports its own submodules from __init__; a submodule importing its package
-    # (bcg -> bcg.x -> bcg) is the loop to catch, so keep those edges
+def _find_loop(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop of ``graph`` (module -> modules it imports at import time), or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def dfs(node: str) -> None:
+    def dfs(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                pytest.fail("import loop: " + " -> ".join(cycle))
+                return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
-                dfs(nxt)
+                found = dfs(nxt)
+                if found:
+                    return found
         stack.pop()
         state[node] = 2
+        return None
 
     for name in sorted(graph):
         if name not in state:
-            dfs(name)
+            found = dfs(name)
+            if found:
+                return found
+    return None
+
+
+def test_the_loop_check_finds_a_loop() -> None:
+    assert _find_loop({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _find_loop({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_loops() -> None:
+    loop = _find_loop(_graph())
+    assert loop is None, "import loop: " + " -> ".join(loop or [])
+
+
+def _private_imports(name: str, source: str) -> list[str]:
+    """``from bcg.x import _y`` in module ``name`` (its own module excepted)."""
+    offences = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bcg") and node.module != name:
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name != "_native":
+                    offences.append(f"{name}: from {node.module} import {alias.name}")
+    return offences
+
+
+def _private_attributes(name: str, source: str) -> list[str]:
+    """``module._y`` in module ``name``, where ``module`` is another bcg module imported by name."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bcg"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES and alias.asname:
+                    aliases[alias.asname] = alias.name
+    return [
+        f"{name}:{node.lineno}: {node.value.id}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and aliases.get(node.value.id, name) != name
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
+def test_the_private_checks_catch_what_they_look_for() -> None:
+    source = "from bcg.pool import _x\nfrom bcg.bench import modes\nmodes._bcg_graph(1)\nmodes.register_mode\n"
+    assert _private_imports("bcg.bench.cli", source) == ["bcg.bench.cli: from bcg.pool import _x"]
+    assert _private_attributes("bcg.bench.cli", source) == ["bcg.bench.cli:3: modes._bcg_graph"]
+    assert _private_attributes("bcg.bench.modes", "from bcg.bench import modes\nmodes._own\n") == []
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
-    offences = []
-    for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bcg"):
-                if node.module == name:
-                    continue
-                for alias in node.names:
-                    if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name != "_native":
-                        offences.append(f"{name}: from {node.module} import {alias.name}")
+    offences = [o for name, path in MODULES.items() for o in _private_imports(name, path.read_text())]
     assert not offences, offences
 
 
 def test_no_module_uses_another_modules_private_attributes() -> None:
-    """``module._name`` where ``module`` is a bcg module imported by name (``from bcg import native``)."""
-    offences = []
-    for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        aliases: dict[str, str] = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bcg"):
-                for alias in node.names:
-                    if f"{node.module}.{alias.name}" in MODULES:
-                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name in MODULES and alias.asname:
-                        aliases[alias.asname] = alias.name
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and aliases[node.value.id] != name
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-            ):
-                offences.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    offences = [o for name, path in MODULES.items() for o in _private_attributes(name, path.read_text())]
     assert not offences, offences
