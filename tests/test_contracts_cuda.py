@@ -16,6 +16,7 @@ import torch
 import bcg
 
 from .models import TinyLlama, positions_for, random_lengths
+from .threads import run_in_threads
 from .test_runner_cuda import DTYPE, HIDDEN, _poison_default_allocator, _poison_pool
 
 pytestmark = pytest.mark.cuda
@@ -230,29 +231,21 @@ def test_two_threads_capturing_at_once_both_succeed() -> None:
     The threads do nothing but capture while the other may be capturing."""
     start = threading.Barrier(2)
     made: dict[int, tuple] = {}
-    errors: list[BaseException] = []
     T = 64
 
     def work(seed: int) -> None:
-        try:
-            torch.manual_seed(seed)
-            model = TinyLlama(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
-            x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
-            pos = positions_for([T], T, "cuda")
-            with bcg.live_scope({"lengths": [T]}):
-                model(x, pos)
-            torch.cuda.synchronize()
-            start.wait()
-            graphs = [bcg.make_graph(model, x, pos, live={"lengths": [T]}) for _ in range(4)]
-            made[seed] = (model, x, pos, graphs)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        torch.manual_seed(seed)
+        model = TinyLlama(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
+        x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+        pos = positions_for([T], T, "cuda")
+        with bcg.live_scope({"lengths": [T]}):
+            model(x, pos)
+        torch.cuda.synchronize()
+        start.wait()
+        graphs = [bcg.make_graph(model, x, pos, live={"lengths": [T]}) for _ in range(4)]
+        made[seed] = (model, x, pos, graphs)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work, (1, 2))
     assert not errors, errors
     assert gc.isenabled()
     gen = torch.Generator().manual_seed(0)
@@ -268,29 +261,21 @@ def test_two_threads_capturing_at_once_both_succeed() -> None:
 
 
 def test_two_runners_capturing_on_two_threads() -> None:
-    errors: list[BaseException] = []
     runners: dict[int, tuple[bcg.GraphRunner, TinyLlama]] = {}
     start = threading.Barrier(2)
 
     def work(seed: int) -> None:
-        try:
-            torch.manual_seed(seed)
-            model = TinyLlama(layers=2, hidden=HIDDEN, heads=8, kv_heads=2, intermediate=512)
-            example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
-            runner = bcg.GraphRunner(model, [16, 32, 64, 128], example_inputs=example,
-                                     capture_live=lambda n: {"lengths": [n]}, progress=False)
-            torch.cuda.synchronize()
-            start.wait()
-            runner.capture()
-            runners[seed] = (runner, model)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        torch.manual_seed(seed)
+        model = TinyLlama(layers=2, hidden=HIDDEN, heads=8, kv_heads=2, intermediate=512)
+        example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
+        runner = bcg.GraphRunner(model, [16, 32, 64, 128], example_inputs=example,
+                                 capture_live=lambda n: {"lengths": [n]}, progress=False)
+        torch.cuda.synchronize()
+        start.wait()
+        runner.capture()
+        runners[seed] = (runner, model)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work, (1, 2))
     assert not errors, errors
     T, n = 40, 64
     for runner, model in runners.values():
@@ -357,23 +342,6 @@ def _threaded_runner() -> tuple[bcg.GraphRunner, list[tuple[torch.Tensor, torch.
     return runner, cases
 
 
-def _hammer(work) -> list[BaseException]:  # noqa: ANN001
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            work(i)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
-
-
 def test_four_threads_get_their_own_results_in_graph_mode() -> None:
     """Each thread on its own stream, as a server's workers are: a result read after the call
     returns must be this call's, not a later call's from another thread."""
@@ -390,7 +358,7 @@ def test_four_threads_get_their_own_results_in_graph_mode() -> None:
                 if not torch.equal(y.clone(), expected):  # read after the lock is released
                     wrong.append((i, k))
 
-    assert not _hammer(work)
+    assert not run_in_threads(work, range(4))
     assert wrong == [], f"{len(wrong)} of 1200 results were another thread's"
 
 
@@ -411,7 +379,7 @@ def test_locked_block_returns_views_that_no_other_thread_overwrites() -> None:
                     if not torch.equal(y, expected):
                         wrong.append((i, k))
 
-    assert not _hammer(work)
+    assert not run_in_threads(work, range(4))
     assert wrong == [] and all(views)
 
 

@@ -14,6 +14,7 @@ from bcg.bridge import BridgeSet
 from bcg.pool import non_owning_alias
 
 from .models import TinyLlama, positions_for, random_lengths
+from .threads import run_in_threads
 
 # -- @bcg.breakpoint outside a capture ---------------------------------------------------
 
@@ -115,11 +116,7 @@ def test_live_is_per_thread_and_per_task() -> None:
             barrier.wait()
             seen[i] = bcg.live()
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert not run_in_threads(worker, range(4))
     assert seen == {0: 0, 1: 1, 2: 2, 3: 3}
 
     async def task(i: int) -> object:

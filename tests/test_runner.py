@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import warnings
 
 import pytest
@@ -20,6 +19,7 @@ import bcg
 from bcg.buckets import normalize_buckets, padding_ratio
 
 from .models import TinyLlama
+from .threads import run_in_threads
 
 HIDDEN = 32
 
@@ -528,26 +528,18 @@ def test_concurrent_calls_are_serialized_and_correct() -> None:
     model = _llama()
     runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
     runner.capture()
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        try:
-            for _ in range(10):
-                T = int(torch.randint(1, 17, (1,), generator=gen))
-                x = torch.randn(T, HIDDEN, generator=gen)
-                pos = torch.arange(T)
-                y = runner(x, pos, live=_live(T)).clone()
-                with bcg.live_scope(_live(T)), torch.no_grad():
-                    expected = model(x, pos)
-                torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for _ in range(10):
+            T = int(torch.randint(1, 17, (1,), generator=gen))
+            x = torch.randn(T, HIDDEN, generator=gen)
+            pos = torch.arange(T)
+            y = runner(x, pos, live=_live(T)).clone()
+            with bcg.live_scope(_live(T)), torch.no_grad():
+                expected = model(x, pos)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work, range(4))
     assert not errors, errors
     assert runner.stats()["calls"] == 40
