@@ -91,9 +91,11 @@ class StagingBuffer:
     def write(self, values: Sequence[Any] | torch.Tensor) -> None:
         """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
         into the pinned host copy."""
-        if self._read is not None and not torch.cuda.is_current_stream_capturing():
+        written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
+        if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device
-            # synchronize, so nothing is queued then, and waiting is not allowed.)
+            # synchronize, so nothing is queued then, and waiting is not allowed.) Replays
+            # skip the capture query: nothing records then.
             self._read.synchronize()
         if isinstance(values, torch.Tensor):
             values = values.reshape(-1).tolist()
@@ -103,7 +105,6 @@ class StagingBuffer:
                 "write every element (fill unused slots with sentinels)"
             )
         self._host_numpy[:] = values
-        written = _WRITTEN.get()
         if written is not None and self not in written:
             written.append(self)
 
