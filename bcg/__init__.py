@@ -23,15 +23,17 @@ from bcg.errors import (
     NestedCaptureError,
     ReplayError,
     StreamForkError,
+    VerificationError,
 )
 from bcg.graph import BreakableGraph, GraphStats
 from bcg.staging import StagingBuffer
+from bcg.variants import VariantPolicy
 from bcg.breakpoint import live, live_scope
 from bcg.make_graph import make_graph
 from bcg.pool import graph_pool_handle
 from bcg.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
 from bcg.runner import GraphRunner
-from bcg.verify import VerificationError, VerifyReport, verify
+from bcg.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "ReplayError",
     "StagingBuffer",
     "StreamForkError",
+    "VariantPolicy",
     "VerificationError",
     "VerifyReport",
     "breakpoint",

@@ -164,8 +164,9 @@ class BreakpointSpec:
     ``enabled`` is a bool or a zero-argument callable asked at each capture-time
     call; a disabled breakpoint is captured into the segment like any code.
     ``mutates`` names the arguments it writes in place (``None``: any of them).
-    ``prepare`` and ``fits`` make it *staged* (see :mod:`bcg.staging`). Build
-    specs through :func:`bcg.breakpoint`, which checks them.
+    ``prepare`` and ``fits`` make it *staged* (see :mod:`bcg.staging`);
+    ``key`` makes it *keyed* (see :mod:`bcg.variants`). Build specs through
+    :func:`bcg.breakpoint`, which checks them.
     """
 
     fn: Callable[..., Any]
@@ -175,6 +176,7 @@ class BreakpointSpec:
     mutates: tuple[str, ...] | None = None
     prepare: Callable[[Any], Any] | None = None
     fits: Callable[[Any], bool] | None = None
+    key: Callable[[Any], Any] | None = None
 
     @property
     def staged(self) -> bool:
@@ -307,6 +309,7 @@ def breakpoint(
     mutates: str | tuple[str, ...] | None = None,
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[[Any], bool] | None = None,
+    key: Callable[[Any], Any] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -320,6 +323,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     mutates: str | tuple[str, ...] | None = None,
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[[Any], bool] | None = None,
+    key: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -339,6 +343,11 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         prepare, fits: make the breakpoint *staged*: captured inline, reading
             metadata that ``prepare(live)`` stages in static buffers at every
             replay, whenever ``fits(live)``; see :mod:`bcg.staging` for the contract.
+        key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value
+            covering everything host-dynamic its GPU work depends on; its work is
+            captured once per key (a *variant*) and replayed from then on, and a
+            forward whose breakpoints all hit runs as one stitched graph; see
+            :mod:`bcg.variants` for the contract.
 
     Constraints:
         * Tensor arguments are held by the graph and passed again, at the same
@@ -356,6 +365,8 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     """
     if (prepare is None) != (fits is None):
         raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
+    if key is not None and not callable(key):
+        raise TypeError(f"@bcg.breakpoint: key= takes a function of the live metadata, not {key!r}")
     if capture_stub is not None and prepare is not None:
         raise TypeError(
             "@bcg.breakpoint: a staged breakpoint (prepare=/fits=) is captured by running its function "
@@ -371,6 +382,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             mutates=normalize_mutates(f, mutates),
             prepare=prepare,
             fits=fits,
+            key=key,
         )
         active = ACTIVE.get
 

@@ -55,6 +55,7 @@ from bcg.pool import OWNERSHIPS, Ownership, PoolHandle, PoolLease, PoolMembershi
 
 if TYPE_CHECKING:
     from bcg.graph import BreakableGraph
+    from bcg.variants import VariantPolicy
 
 log = logging.getLogger("bcg")
 
@@ -158,9 +159,11 @@ class CaptureSession(Recorder):
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         owns_pool: bool = True,
         inline: bool = True,
+        replay_stream: torch.cuda.Stream | None = None,
     ) -> None:
         super().__init__()
         self.inline = inline
+        self.replay_stream = replay_stream if replay_stream is not None else stream
         self.stager = Stager()
         self.pool = pool
         self.owns_pool = owns_pool
@@ -214,9 +217,8 @@ class CaptureSession(Recorder):
             self.lease.keep(graph)
             return
         graph.instantiate()
-        cudart.upload(int(graph.raw_cuda_graph_exec()), self.stream_handle)
         offset = self._generator.get_offset()
-        graph.replay()  # the capture run: the breakpoint after it reads real data
+        self._capture_run(graph)
         step = SegmentStep(
             index=self._segment_index,
             cuda_graph=graph,
@@ -227,6 +229,23 @@ class CaptureSession(Recorder):
         self._segment_index += 1
         self.plan.append(step)
         log.debug("segment %d: %d nodes (%d kernels)", step.index, nodes, step.kernel_nodes)
+
+    def _capture_run(self, graph: torch.cuda.CUDAGraph) -> None:
+        """The segment's first launch, so that the breakpoint after it reads real data.
+
+        It runs on the stream replays will use (the caller's, when the capture
+        began), ordered between the capture stream's work before and after it:
+        an executable uploaded or launched on one stream costs about 0.5 us more
+        at every later launch on another (measured on an H200, CUDA 13), and
+        its first launch uploads it where it will run.
+        """
+        if self.replay_stream == self.stream:
+            graph.replay()
+            return
+        self.replay_stream.wait_stream(self.stream)
+        with torch.cuda.stream(self.replay_stream):
+            graph.replay()
+        self.stream.wait_stream(self.replay_stream)
 
     # -- Recorder -----------------------------------------------------------------------------
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -286,42 +305,11 @@ class CaptureSession(Recorder):
         return list(held.values())
 
     # -- failure ------------------------------------------------------------------
-    def _unwind(self, graph: torch.cuda.CUDAGraph) -> None:
-        """End ``graph``'s capture through torch's own ``capture_end``, whatever state it is in.
-
-        An invalidated capture (a host sync inside a segment) makes torch's
-        ``capture_end`` raise before it unwinds its state (allocator routing in
-        the device and pinned-host allocators, RNG capture state). So the
-        invalidated capture is discarded and an empty one re-armed on the same
-        stream: torch's ``capture_end`` then succeeds and unwinds everything, and
-        ``reset()`` drops the pool counts as after any capture.
-        """
-        for attempt in (1, 2):
-            try:
-                if cudart.capture_status(self.stream_handle) != "active":
-                    cudart.end_capture(self.stream_handle)
-                    cudart.begin_capture(self.stream_handle)
-                with torch.cuda.stream(self.stream), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                    graph.capture_end()
-                return
-            except Exception:
-                # torch's capture_end ended an invalidated capture, then raised: the stream is
-                # no longer capturing, so the second attempt re-arms it and succeeds.
-                if attempt == 1:
-                    continue
-                log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
-                cudart.end_capture(self.stream_handle)
-                with contextlib.suppress(RuntimeError):
-                    torch._C._cuda_endAllocateToPool(self.device, self.pool)
-                    torch._C._cuda_releasePool(self.device, self.pool)
-                _reset_rng_capture_state(self.stream)
-
     def abort(self) -> None:
         """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
         graph, self._current = self._current, None
         if graph is not None:
-            self._unwind(graph)
+            unwind_capture(graph, self.stream, self.device, self.pool)
             graph.reset()
         for step in self.plan:
             step.release()
@@ -358,6 +346,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             metadata that fits, unless it has a fallback (see
             :meth:`bcg.BreakableGraph.set_fallback`; ``make_graph`` and
             ``GraphRunner`` capture one).
+        variants: a :class:`bcg.VariantPolicy`, the bounds of keyed
+            breakpoints' variants and stitched executables (default: its defaults).
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -392,6 +382,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         guards: bool | None = None,
         poison: bool | None = None,
         inline: bool = True,
+        variants: VariantPolicy | None = None,
     ) -> None:
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
@@ -408,6 +399,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._guards = env_flag("BCG_GUARDS") if guards is None else guards
         self._poison = env_flag("BCG_POISON") if poison is None else poison
         self._inline = inline
+        self._variants = variants
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -442,7 +434,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             stream.wait_stream(self._ambient)
             self._session = CaptureSession(
                 pool, stream, self._mode, device, self._ownership, self._after_breakpoint,
-                owns_pool=self._pool is None, inline=self._inline,
+                owns_pool=self._pool is None, inline=self._inline, replay_stream=self._ambient,
             )
         except BaseException:
             _PROCESS.lock.release()
@@ -490,6 +482,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                         poison=self._build_poison(pool_resident, session) if self._poison else None,
                         held_bytes=self._held_bytes(pool_resident, session),
                         stager=session.stager or None,
+                        variant_policy=self._variants,
                     )
                 )
             finally:
@@ -630,6 +623,81 @@ def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseE
             f"capturing. {_CLEAN}"
         )
     return exc
+
+
+def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: int, pool: PoolHandle) -> None:
+    """End ``graph``'s capture on ``stream`` through torch's own ``capture_end``, whatever state it is in.
+
+    An invalidated capture (a host sync inside a segment) makes torch's
+    ``capture_end`` raise before it unwinds its state (allocator routing in
+    the device and pinned-host allocators, RNG capture state). So the
+    invalidated capture is discarded and an empty one re-armed on the same
+    stream: torch's ``capture_end`` then succeeds and unwinds everything, and
+    ``reset()`` drops the pool counts as after any capture.
+    """
+    handle = int(stream.cuda_stream)
+    for attempt in (1, 2):
+        try:
+            if cudart.capture_status(handle) != "active":
+                cudart.end_capture(handle)
+                cudart.begin_capture(handle)
+            with torch.cuda.stream(stream), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                graph.capture_end()
+            return
+        except Exception:
+            # torch's capture_end ended an invalidated capture, then raised: the stream is
+            # no longer capturing, so the second attempt re-arms it and succeeds.
+            if attempt == 1:
+                continue
+            log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
+            cudart.end_capture(handle)
+            with contextlib.suppress(RuntimeError):
+                # torch's private allocator-routing calls: the only way to undo them by hand
+                # (no public API ends a pool's routing outside capture_end)
+                torch._C._cuda_endAllocateToPool(device, pool)
+                torch._C._cuda_releasePool(device, pool)
+            _reset_rng_capture_state(stream)
+
+
+def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int) -> tuple[torch.cuda.CUDAGraph, int]:
+    """Capture ``fn()`` alone into a new ``torch.cuda.CUDAGraph(keep_graph=True)`` in ``pool``.
+
+    Returns ``(graph, nodes)``: instantiated when ``nodes`` > 0, never run
+    (its first launch uploads it on the stream that launches it). Captured in ``"thread_local"`` mode (other threads' CUDA calls
+    neither break it nor are refused) on bcg's capture stream of ``device``,
+    holding the capture lock. On any failure the capture is unwound (no stream
+    left capturing, RNG and allocator state closed), the graph freed, and the
+    exception re-raised.
+    """
+    stream = capture_stream(device)
+    with capture_lock():
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        _PROCESS.pause_gc()  # see _ProcessCaptureState
+        try:
+            with torch.cuda.stream(stream):
+                try:
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                except BaseException:
+                    cudart.end_capture(int(stream.cuda_stream))
+                    _reset_rng_capture_state(stream)
+                    raise
+                try:
+                    fn()
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                        graph.capture_end()
+                except BaseException:
+                    unwind_capture(graph, stream, device, pool)
+                    graph.reset()
+                    raise
+        finally:
+            _PROCESS.resume_gc()
+        nodes = sum(cudart.node_type_counts(int(graph.raw_cuda_graph())).values())
+        if nodes:
+            graph.instantiate()
+    return graph, nodes
 
 
 def capture_fallback(graph: BreakableGraph, fn: Callable[[], Any], release: Callable[[Any], Any] | None = None,

@@ -176,3 +176,52 @@ def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     """
     rt = runtime()
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
+
+
+# -- building and launching graphs (stitching: bcg.stitch) ------------------------------------
+
+
+def graph_create() -> int:
+    """A new, empty ``cudaGraph_t``."""
+    return int(check(runtime().cudaGraphCreate(0)))
+
+
+def add_child_graph(graph: int, after: Any | None, child: int) -> Any:
+    """Add ``child`` (cloned) to ``graph`` as a child-graph node after node ``after`` (None: a root).
+
+    Returns the new node. CUDA refuses children holding memory-allocation,
+    memory-free or conditional nodes.
+    """
+    rt = runtime()
+    deps = [after] if after is not None else []
+    return check(rt.cudaGraphAddChildGraphNode(graph, deps, len(deps), child))
+
+
+def instantiate(graph: int) -> int:
+    """``cudaGraphInstantiate(graph, 0)``: the executable graph's handle."""
+    return int(check(runtime().cudaGraphInstantiate(graph, 0)))
+
+
+def exec_update(graph_exec: int, graph: int) -> bool:
+    """Update ``graph_exec`` in place to run ``graph`` (``cudaGraphExecUpdate``).
+
+    True when the driver accepted it (same topology, updatable parameters);
+    False when it did not, and ``graph_exec`` still runs what it ran before.
+    """
+    rt = runtime()
+    result = rt.cudaGraphExecUpdate(graph_exec, graph)
+    err = result[0] if isinstance(result, tuple) else result
+    return err == rt.cudaError_t.cudaSuccess
+
+
+def launch(graph_exec: int, stream: int) -> None:
+    """``cudaGraphLaunch(graph_exec, stream)``."""
+    check(runtime().cudaGraphLaunch(graph_exec, stream))
+
+
+def graph_destroy(graph: int) -> None:
+    check(runtime().cudaGraphDestroy(graph))
+
+
+def exec_destroy(graph_exec: int) -> None:
+    check(runtime().cudaGraphExecDestroy(graph_exec))

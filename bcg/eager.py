@@ -11,6 +11,8 @@ frozen values and in-place results, or :class:`bcg.BreakpointOutputMismatch`
 -- the debugging mode is at least as strict as graph mode. Staged
 breakpoints run as in graph mode: inline (the recorded ``prepare`` values,
 this replay's buffers uploaded) when every one fits, else the breakable form.
+Keyed breakpoints run eagerly; their keys are computed (and must be
+hashable) and counted as in graph mode, but no variant is captured.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bcg.bridge import BridgeSet
 from bcg.errors import BreakpointOutputMismatch
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.staging import NOT_INLINE, Stager
+from bcg.variants import VariantCache
 
 log = logging.getLogger("bcg")
 
@@ -100,9 +103,12 @@ class EagerReplay(Recorder):
 
     segment_label = "an eager-mode segment"
 
-    def __init__(self, plan: tuple[Step, ...], stager: Stager | None = None) -> None:
+    def __init__(self, plan: tuple[Step, ...], stager: Stager | None = None,
+                 variants: VariantCache | None = None) -> None:
         super().__init__()
         self._steps = [s for s in plan if isinstance(s, BreakpointStep)]
+        self._variants = variants  # keyed breakpoints: their keys are computed and counted
+        self._keyed: set[BreakpointSpec] = set()
         self._next = 0
         self._stager = stager
         self._inline: bool | None = None  # decided at the first staged call, for the whole replay
@@ -134,6 +140,9 @@ class EagerReplay(Recorder):
                 "or move it into a breakpoint"
             )
         self._next += 1
+        if spec.key is not None and self._variants is not None:
+            self._variants.observe_eager(spec, live(static_ok=True), first=spec not in self._keyed)
+            self._keyed.add(spec)
         result = self.run_breakpoint(spec.fn, args, kwargs)
         contract = recorded.bridges
         if contract is not None and (result is not None or not contract.empty):

@@ -64,3 +64,12 @@ class ReplayError(BcgError):
 
 class BreakpointOutputMismatch(ReplayError):
     """A breakpoint returned, at replay, something its capture-time bridges cannot hold."""
+
+
+class VerificationError(BcgError):
+    """Replay and eager disagree: raised by :func:`bcg.verify` (``.report`` holds its
+    :class:`bcg.VerifyReport`) and by a keyed breakpoint's audit (``.report`` is None)."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report

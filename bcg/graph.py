@@ -18,8 +18,9 @@ from bcg.breakpoint import UNSET, reset_live, set_live
 from bcg.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step
 from bcg.replay import Executor, make_executor, stream_readers
+from bcg.variants import VariantCache, VariantPolicy
 
-_current_device, _ = stream_readers()
+_current_device, _current_stream = stream_readers()
 
 log = logging.getLogger("bcg")
 
@@ -38,7 +39,9 @@ class GraphStats:
     ``pool_bytes_floor_estimate`` (``pool_bytes - held_bytes``) estimates that
     graph's pool. ``staged``: the staged breakpoints captured inline;
     ``inline_replays``: replays that ran inline; ``fallback_replays``: replays
-    that ran the breakable form instead, by reason.
+    that ran the breakable form instead, by reason. ``variants``: the keyed
+    breakpoints' keys, hits, variants and stitched executables (see
+    :meth:`bcg.variants.VariantCache.stats`; None without keyed breakpoints).
     """
 
     mode: str
@@ -54,6 +57,7 @@ class GraphStats:
     staged: tuple[str, ...] = ()
     inline_replays: int = 0
     fallback_replays: dict[str, int] = field(default_factory=dict)
+    variants: dict[str, Any] | None = None
 
 
 class BreakableGraph:
@@ -74,6 +78,7 @@ class BreakableGraph:
         self.source: GraphSource | None = None
         self.outputs: Any = None
         self.fallback: BreakableGraph | None = None
+        self.variants: VariantCache | None = None  # keyed breakpoints' variants (see bcg.variants)
         self._inline_replays = 0
         self._fallback_replays: dict[str, int] = {}
 
@@ -91,7 +96,12 @@ class BreakableGraph:
         self._parts = parts
         self._plan = tuple(parts.plan)
         self._was_reset = False
-        self._executor = make_executor(self._plan) if parts.mode == "graph" else None
+        graph_mode = parts.mode == "graph"
+        if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self._plan):
+            # attaches itself to the keyed steps (graph mode) before the executor reads them
+            self.variants = VariantCache(self._plan, parts.device if graph_mode else None,
+                                         parts.variant_policy or VariantPolicy())
+        self._executor = make_executor(self._plan) if graph_mode else None
 
     def set_fallback(self, graph: BreakableGraph) -> None:
         """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.
@@ -201,6 +211,7 @@ class BreakableGraph:
             staged=self.staged,
             inline_replays=self._inline_replays,
             fallback_replays=dict(self._fallback_replays),
+            variants=self.variants.stats() if self.variants is not None else None,
         )
 
     # -- replay -------------------------------------------------------------------------
@@ -217,6 +228,13 @@ class BreakableGraph:
         all fit, it runs their ``prepare(live)`` and launches; otherwise it
         replays its ``fallback`` (the breakable form) and copies its outputs
         into ``outputs``, or raises :class:`bcg.ReplayError` when it has none.
+        A graph with keyed breakpoints computes their keys: when every
+        breakpoint has a variant for its key, it launches one stitched graph
+        (see :mod:`bcg.variants`).
+
+        Raises:
+            VerificationError: an audit replay (``VariantPolicy.audit_every``)
+                found a variant that differs from its eager call.
         """
         executor = self._executor
         parts = self._parts
@@ -245,7 +263,11 @@ class BreakableGraph:
             if executor is None:
                 parts.rerun()  # type: ignore[misc]
             elif _profiler._is_profiler_enabled:
+                if self.variants is not None:
+                    self.variants.begin_replay(live, stitch=False)
                 self._run_profiled()
+            elif self.variants is not None and (stitched := self.variants.begin_replay(live)) is not None:
+                cudart.launch(stitched, _current_stream(device))  # every keyed step hit: one launch
             else:
                 executor.run()
         finally:
@@ -317,6 +339,9 @@ class BreakableGraph:
         graph_mode = parts.mode == "graph" and self._executor is not None
         if graph_mode and torch.cuda.is_available():
             torch.cuda.synchronize(parts.device)  # no replay may still be reading what we free
+        if self.variants is not None:
+            self.variants.release()
+            self.variants = None
         for step in self._plan:
             step.release()
         self._plan = ()

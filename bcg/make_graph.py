@@ -17,6 +17,7 @@ from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.plan import GraphParts, GraphSource
 from bcg.pool import PoolHandle
 from bcg.staging import StagedWarmup
+from bcg.variants import VariantPolicy
 
 log = logging.getLogger("bcg")
 
@@ -35,6 +36,7 @@ def make_graph(
     ownership: str = "pool",
     guards: bool | None = None,
     poison: bool | None = None,
+    variants: VariantPolicy | None = None,
 ) -> BreakableGraph:
     """Capture ``fn(*static_args)`` and return the graph; its result is ``graph.outputs``.
 
@@ -45,7 +47,7 @@ def make_graph(
     debugging and machines with no CUDA). Without CUDA, ``mode="graph"`` falls
     back to eager mode with a warning. Constraints: feed new inputs by writing
     into ``static_args`` in place; ``fn`` must return the same structure every run.
-    ``ownership``, ``guards`` and ``poison`` are passed to :class:`bcg.capture`
+    ``ownership``, ``guards``, ``poison`` and ``variants`` are passed to :class:`bcg.capture`
     (``static_args`` are the guarded inputs). When ``fn`` calls staged
     breakpoints (see :mod:`bcg.staging`), the graph captures them inline and
     also holds its breakable form, in the same pool, which replays whenever
@@ -70,7 +72,7 @@ def make_graph(
             outputs = source()
 
         def rerun() -> None:
-            checker = EagerReplay(graph.plan, recorder.stager)
+            checker = EagerReplay(graph.plan, recorder.stager, graph.variants)
             with recording(checker):
                 result = source()
             checker.finish()
@@ -78,7 +80,8 @@ def make_graph(
 
         graph.install(
             GraphParts(
-                recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun, stager=recorder.stager or None
+                recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun,
+                stager=recorder.stager or None, variant_policy=variants,
             )
         )
         log.info(
@@ -101,6 +104,7 @@ def make_graph(
                 inputs=static_args,
                 guards=guards,
                 poison=poison,
+                variants=variants,
             )
             with capture(graph, pool=pool, **options):
                 outputs = source()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from bcg.debug import Guards, Poison
     from bcg.pool import PoolHandle, PoolLease
     from bcg.staging import Stager
+    from bcg.variants import StepVariants, VariantPolicy
 
 
 @dataclass(eq=False)
@@ -67,6 +68,8 @@ class BreakpointStep:
     kwargs: dict[str, Any]
     bridges: BridgeSet | None = None
     index: int = 0
+    #: a keyed breakpoint's variants (see :mod:`bcg.variants`): replays dispatch through them
+    variants: StepVariants | None = field(default=None, repr=False)
     _run: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
@@ -75,6 +78,14 @@ class BreakpointStep:
 
     @property
     def launch(self) -> Callable[[], None]:
+        """The step's replay: its variants' dispatch when keyed, else :attr:`eager_launch`."""
+        if self.variants is not None:
+            return self.variants.run
+        return self.eager_launch
+
+    @property
+    def eager_launch(self) -> Callable[[], None]:
+        """The breakpoint's function on its held arguments, its result copied into the bridges."""
         if self._run is None:
             self._run = _make_runner(self)
         return self._run
@@ -84,20 +95,27 @@ class BreakpointStep:
 
         ``on_result(result)`` refreshes the bridges; it must run when the
         result is not None, or always when the capture returned tensors or
-        values (so a ``None`` at replay is reported as a mismatch).
+        values (so a ``None`` at replay is reported as a mismatch). A keyed
+        step's call is its variants' dispatch.
         """
+        if self.variants is not None:
+            return self.variants.run, (), None, None, False
+        return self.eager_call()
+
+    def eager_call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any] | None, Callable[[Any], None] | None, bool]:
+        """:meth:`call` of the breakpoint's function itself (a keyed step's too)."""
         bridges = self.bridges
         on_result = bridges.refresh if bridges is not None else None
         always = bridges is not None and not bridges.empty
         return self.spec.fn, tuple(self.args), dict(self.kwargs) or None, on_result, always
 
     def release(self) -> None:
-        self.args, self.kwargs, self.bridges, self._run = (), {}, None, None
+        self.args, self.kwargs, self.bridges, self._run, self.variants = (), {}, None, None, None
 
 
 def _make_runner(step: BreakpointStep) -> Callable[[], None]:
     """The replay call of ``step`` as a closure (the Python executor's and the profiler's)."""
-    fn, args, kwargs, on_result, always = step.call()
+    fn, args, kwargs, on_result, always = step.eager_call()
     kw = kwargs or {}
     if on_result is None:
         return functools.partial(fn, *args, **kw)
@@ -124,7 +142,8 @@ class GraphParts:
     function). ``guards``/``poison``: the debugging aids checked before each
     replay. ``held_bytes``: pool bytes the plan keeps alive itself.
     ``stager``: the staged breakpoints captured inline (asked and prepared
-    before each launch).
+    before each launch). ``variant_policy``: the bounds of the keyed
+    breakpoints' variants (None: the defaults).
     """
 
     plan: Sequence[Step]
@@ -138,6 +157,7 @@ class GraphParts:
     poison: Poison | None = None
     held_bytes: int = 0
     stager: Stager | None = None
+    variant_policy: VariantPolicy | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.breakpoint import BreakpointSpec, Recorder, live_scope, recording
-from bcg.errors import BcgError
+from bcg.errors import VerificationError
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.make_graph import make_graph
 from bcg.plan import BreakpointStep, GraphSource, SegmentStep, Step
@@ -80,7 +80,7 @@ class Mismatch:
 
     sample: int
     live: Any
-    where: str  # "segment", "breakpoint", "output" or "structure"
+    where: str  # "segment", "breakpoint", "output", "replay" or "structure"
     segment: int | None
     breakpoint_before: str | None
     breakpoint_after: str | None
@@ -91,6 +91,13 @@ class Mismatch:
         if self.where == "structure":
             return f"sample {self.sample}: the eager run called different breakpoints than the capture ({self.breakpoint_after})"
         around = f"between breakpoint {self.breakpoint_before!r} and {self.breakpoint_after!r}"
+        if self.where == "replay":
+            return (
+                f"sample {self.sample} (live={self.live!r}): replaying the whole graph again (keyed breakpoints "
+                f"from their variants, stitched where possible) gave different outputs than eager; tensor "
+                f"{self.tensor}, max |replay - eager| = {self.max_abs_diff:.3g}. A keyed breakpoint's key= "
+                "probably misses something its GPU work depends on"
+            )
         if self.where == "breakpoint":
             what = f"breakpoint {self.breakpoint_after!r} returned/wrote different values from the same inputs"
         elif self.where == "output":
@@ -125,14 +132,6 @@ class VerifyReport:
             return f"bcg.verify: {self.samples} live samples, replay equals eager at every breakpoint and output"
         lines = [f"bcg.verify: {len(self.mismatches)} of {self.samples} samples diverge; first:", f"  {self.first}"]
         return "\n".join(lines)
-
-
-class VerificationError(BcgError):
-    """Raised by :func:`verify` on a mismatch; ``.report`` holds the details."""
-
-    def __init__(self, report: VerifyReport) -> None:
-        super().__init__(str(report))
-        self.report = report
 
 
 def verify(
@@ -179,12 +178,14 @@ def verify(
             dst.copy_(src)
         eager_taps, eager_out = _tapped_eager(source, live, plan)
         found = _compare(plan, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
+        if found is None and _keyed(graph, plan):
+            found = _whole_replay(graph, live, i, static, saved, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
             log.warning("bcg.verify: %s", found)
     report = VerifyReport(len(live_samples), mismatches, graph)
     if mismatches and raise_on_mismatch:
-        raise VerificationError(report)
+        raise VerificationError(str(report), report)
     log.info("%s", report)
     return report
 
@@ -196,13 +197,16 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
         taps, _ = _tapped_eager(graph.source, live, graph.plan)
         graph.replay(live=live)
         return taps, _tensors(graph.outputs), graph.plan
-    plan = graph.plan
+    ran = graph
     if graph.would_fall_back(live) is not None:
         if graph.fallback is None:
             graph.replay(live)  # raises: says why, and what to do
-        plan = graph.fallback.plan  # type: ignore[union-attr]
+        ran = graph.fallback  # type: ignore[assignment]
     else:
         graph.prepare_staged(live)
+    plan = ran.plan
+    if ran.variants is not None:
+        ran.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
     taps: list[_Tap] = []
     with live_scope(live):
         for step in plan:
@@ -217,6 +221,23 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
     if plan is not graph.plan:
         copy_outputs_into(graph.outputs, graph.fallback.outputs, "the breakable form")  # type: ignore[union-attr]
     return taps, _tensors(graph.outputs), plan
+
+
+def _keyed(graph: BreakableGraph, plan: tuple[Step, ...]) -> bool:
+    return any(isinstance(s, BreakpointStep) and s.variants is not None for s in plan)
+
+
+def _whole_replay(graph: BreakableGraph, live: Any, sample: int, static: Any, saved: list[torch.Tensor],
+                  eager_out: list[torch.Tensor], rtol: float, atol: float) -> Mismatch | None:
+    """Keyed breakpoints: replay the whole graph again, as a user would (now every key of this
+    sample has a variant: one stitched launch where the graph stitches), and compare its outputs."""
+    for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
+        dst.copy_(src)
+    graph.replay(live)
+    d = _diff(_tensors(graph.outputs), eager_out, rtol, atol)
+    if d is None:
+        return None
+    return Mismatch(sample, live, "replay", None, None, None, *d)
 
 
 def _tapped_eager(source: GraphSource, live: Any, plan: tuple[Step, ...]) -> tuple[list[_Tap], list[torch.Tensor]]:

@@ -51,7 +51,8 @@ def test_defaults() -> None:
     assert args.workload == ["llama", "micro"]
     assert args.modes is None  # all registered modes
     assert args.tokens == [128, 512, 2048]
-    assert args.attn == ["flash", "varlen", "loop"]
+    assert args.attn == ["flash", "varlen", "loop", "unfused"]
+    assert args.zipf_tuples == 16 and args.zipf_s == 1.0
     assert args.requests == 4
     assert args.segments == 64 and args.micro_iters == 200
     assert args.iters is None and args.warmup == 2 and args.out is None
@@ -97,7 +98,8 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     expected = ["eager", "floor", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "floor-compile", "bcg-compile",
-                "bcg-staged", "bcg-staged-compile", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
+                "bcg-staged", "bcg-staged-compile", "bcg-specialized", "bcg-specialized-zipf",
+                "bcg-specialized-never", "bcg-never", "piecewise-cuda-graphs", "breakable-cuda-graphs"]
     assert list(registry.MODES) == expected
     assert registry.load_modes() is registry.MODES and list(registry.MODES) == expected  # idempotent
     assert cli.main(["--list"]) == 0
@@ -177,7 +179,7 @@ def test_cpu_run_writes_json_and_png(no_cuda: None, tmp_path: Path, capsys: pyte
     _check_doc(doc)
     rows = doc["rows"]
     assert {(r["attn"], r["T"], r["mode"]) for r in rows} == {
-        (a, t, m) for a in ("flash", "varlen", "loop") for t in (16, 48) for m in ("eager", "bcg-eager")
+        (a, t, m) for a in ("flash", "varlen", "loop", "unfused") for t in (16, 48) for m in ("eager", "bcg-eager")
     }
     for row in rows:
         assert row["workload"] == "llama"
@@ -507,3 +509,20 @@ def test_paired_ratio_cancels_drift_shared_by_a_round() -> None:
     assert paired_ratio(ref, ref, block=5) == 1.0
     assert paired_ratio(ours[:7], ref, block=5) == pytest.approx(1.04)  # a shorter last block
     assert paired_ratio([], ref) is None
+
+
+def test_length_streams_repeat_as_named() -> None:
+    fixed = llama.length_stream("fixed", 128, 4, seed=0)
+    assert {fixed() for _ in range(5)} == {tuple(llama.request_lengths(128, 4, 0))}
+    zipf = llama.length_stream("zipf", 128, 4, seed=0, tuples=16, s=1.0)
+    draws = [zipf() for _ in range(2000)]
+    counts = {t: draws.count(t) for t in set(draws)}
+    assert len(counts) <= 16 and all(sum(t) == 128 and len(t) == 4 for t in counts)
+    assert max(counts, key=counts.get) == tuple(llama.request_lengths(128, 4, 0))  # rank 1 is the point's tuple
+    again = llama.length_stream("zipf", 128, 4, seed=0, tuples=16, s=1.0)
+    assert [again() for _ in range(50)] == draws[:50]  # the same arguments, the same sequence
+    never = llama.length_stream("never", 128, 4, seed=0)
+    tuples = [never() for _ in range(500)]
+    assert len(set(tuples)) == 500 and all(sum(t) == 128 and min(t) >= 1 for t in tuples)
+    with pytest.raises(ValueError, match="kind"):
+        llama.length_stream("sometimes", 128, 4, seed=0)

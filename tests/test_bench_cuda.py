@@ -17,6 +17,7 @@ pytestmark = pytest.mark.cuda
 
 TINY = ["--shape", "tiny", "--iters", "3", "--warmup", "1", "--no-progress"]
 STAGED = {"bcg-staged", "bcg-staged-compile"}  # flash and varlen only
+KEYED = {"bcg-specialized", "bcg-specialized-zipf", "bcg-specialized-never", "bcg-never"}  # unfused only
 
 
 def _rows(out: Path) -> tuple[dict, list[dict]]:
@@ -35,9 +36,10 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
     for module, mode in (("piecewise_cuda_graphs", "piecewise-cuda-graphs"), ("breakable_cuda_graphs", "breakable-cuda-graphs")):
         assert (mode in run) == (importlib.util.find_spec(module) is not None)
     points = {(r["attn"], r["T"]) for r in rows}
-    assert points == {(a, t) for a in ("flash", "varlen", "loop") for t in (64, 256)}
+    assert points == {(a, t) for a in ("flash", "varlen", "loop", "unfused") for t in (64, 256)}
     for attn, T in points:
-        expected = run - STAGED if attn == "loop" else run  # the loop has no staged form
+        # staged forms: flash and varlen; keyed forms: unfused
+        expected = run - (set() if attn in ("flash", "varlen") else STAGED) - (set() if attn == "unfused" else KEYED)
         assert {r["mode"] for r in rows if (r["attn"], r["T"]) == (attn, T)} == expected
     for row in rows:
         assert row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"]
@@ -50,8 +52,13 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
         elif row["mode"].startswith("bcg"):
             # the graph runs the very kernels eager runs: bitwise equal on fresh inputs
             assert row["rel_err"] == 0.0, row
-        if row["mode"] in ("bcg", *STAGED):
+        if row["mode"] in ("bcg", *STAGED, *KEYED):
             assert isinstance(row["host_us_per_replay"], float) and row["host_us_per_replay"] > 0, row
+        if row["mode"] == "bcg-specialized":  # one tuple: after the warm-up calls, every call one stitched launch
+            assert row["hit_rate"] == 1.0 and row["stitched_share"] == 1.0 and row["variant_captures"] == 0, row
+            assert row["cache_mib"] > 0 and "inline_fraction" not in row, row
+        if row["mode"] == "bcg-specialized-never":  # capturing stopped during the warm-up calls
+            assert row["hit_rate"] == 0.0 and row["stitched_share"] == 0.0 and row["variant_captures"] == 0, row
         if row["mode"] in ("bcg", "bcg-python"):
             assert row["breakpoints"] == 2 and row["segments"] == 3
             assert row["pool_mib"] > 0 and row["capture_s"] > 0

@@ -160,7 +160,8 @@ def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pyt
         calls.append(1)
         return torch.zeros(1)
 
-    start = modes._replay_measures(run, lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])})
+    start = modes._replay_measures(run, lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])},
+                                   staged=True)
     stop = start()
     stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3})  # the timed replays
     out = stop()
@@ -208,5 +209,5 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-3:] == ["host", "us", "inline"]
-    assert line.split()[-2:] == ["1.5", "0.50"]
+    assert head.split()[-8:] == ["host", "us", "inline", "hit", "stitch", "capts", "cache", "MiB"]
+    assert line.split()[-6:] == ["1.5", "0.50", "-", "-", "-", "-"]

@@ -11,6 +11,9 @@ around a *breakpoint callable* so that every mode runs the same kernels:
 * ``staged`` - optionally, the same point again with a *staged* breakpoint
   (``@bcg.breakpoint(prepare=..., fits=...)``) and its own live metadata
   (modes ``bcg-staged``, ``bcg-staged-compile``).
+* ``specialized`` - optionally, the same point with a *keyed* breakpoint
+  (``@bcg.breakpoint(key=...)``), and ``live_stream`` the live metadata whose
+  length tuples repeat in a chosen way (modes ``bcg-specialized*``, ``bcg-never``).
 
 Modes call ``case.forward(bp)`` to get a function of ``*case.static_args``.
 """
@@ -57,6 +60,11 @@ class Case:
     # the same point (same static inputs) with the staged breakpoint as ``bp`` and the live
     # metadata it takes (``live``, ``new_live``, ``live_for``); None: no staged form here
     staged: Case | None = None
+    # the same point with a keyed breakpoint (``key=``, modes ``bcg-specialized*``); None: not here
+    specialized: Case | None = None
+    # ``live_stream(kind)``: a fresh function returning each forward's live metadata, its length
+    # tuples repeating as ``kind`` says ("fixed", "zipf", "never"); None: the point has no stream
+    live_stream: Callable[[str], Callable[[], Any]] | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

@@ -51,7 +51,8 @@ def _native_reason() -> str | None:
 
 
 def _replay_measures(
-    run: Callable[[], torch.Tensor], runner_stats: Callable[[], dict[str, Any]] | None = None
+    run: Callable[[], torch.Tensor], runner_stats: Callable[[], dict[str, Any]] | None = None,
+    staged: bool = False, keyed: bool = False,
 ) -> Callable[[], Callable[[], dict[str, Any]]]:
     """A ``Built.measure`` for a bcg mode's rows.
 
@@ -59,9 +60,13 @@ def _replay_measures(
         run: the mode's ``Built.run``. After the timed replays, ``host_us_per_replay`` is
             the median host time of :data:`HOST_CALLS` calls of it (``perf_counter``
             around the call alone, the GPU idle before each, no synchronize inside).
-        runner_stats: a staged runner's ``stats``: adds ``inline_fraction`` (its inline
+        runner_stats: the runner's ``stats``. ``staged``: adds ``inline_fraction`` (its inline
             replays / graph calls over the timing rounds, their warm-up calls included) and
             ``staged_fallbacks`` ({reason: replays of the breakable form} over them).
+        keyed: the runner's breakpoints are keyed: adds, over the same rounds, ``hit_rate``
+            (breakpoint calls served by a variant), ``stitched_share`` (graph calls launched as
+            one stitched graph), ``variant_captures``, and ``cache_mib`` (variant pools and
+            stitched executables, at the end).
     """
 
     def start() -> Callable[[], dict[str, Any]]:
@@ -71,11 +76,14 @@ def _replay_measures(
             out: dict[str, Any] = {}
             if runner_stats is not None and before is not None:
                 after = runner_stats()
-                calls = after["graph_calls"] - before["graph_calls"]
-                inline = after["inline_replays"] - before["inline_replays"]
-                out["inline_fraction"] = inline / calls if calls else None
-                fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
-                out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
+                if staged:
+                    calls = after["graph_calls"] - before["graph_calls"]
+                    inline = after["inline_replays"] - before["inline_replays"]
+                    out["inline_fraction"] = inline / calls if calls else None
+                    fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
+                    out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
+                if keyed:
+                    out.update(_variant_measures(before, after))
             samples = sample_ms(run, torch.cuda.synchronize, HOST_CALLS, wait=False)
             out["host_us_per_replay"] = statistics.median(samples) * 1e3
             return out
@@ -83,6 +91,20 @@ def _replay_measures(
         return stop
 
     return start
+
+
+def _variant_measures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A keyed runner's hit rate, stitched share, captures and cache size between two ``stats()``."""
+    b, a = before["variants"] or {}, after["variants"] or {}
+    hits = a.get("hits", 0) - b.get("hits", 0)
+    calls = hits + a.get("misses", 0) - b.get("misses", 0)
+    graph_calls = after["graph_calls"] - before["graph_calls"]
+    return {
+        "hit_rate": hits / calls if calls else None,
+        "stitched_share": (a.get("stitched_replays", 0) - b.get("stitched_replays", 0)) / graph_calls if graph_calls else None,
+        "variant_captures": a.get("captures", 0) - b.get("captures", 0),
+        "cache_mib": a.get("cache_bytes", 0) / 2**20,
+    }
 
 
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
@@ -112,11 +134,14 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
 
 def _bcg_runner(
     case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False, staged: bool = False,
-    **runner_kwargs: Any,
+    live_stream: Callable[[], Any] | None = None, keyed: bool = False, warm: int = 0, **runner_kwargs: Any,
 ) -> Built:
     """The library as a serving engine uses it: a GraphRunner with one bucket of size T
     (``staged``: the case's breakpoints are staged, rows add the inline fraction;
-    ``runner_kwargs``: more GraphRunner options, e.g. ``sanitize=False``)."""
+    ``live_stream``: each call's live metadata (default ``case.fresh_live``); ``keyed``: its
+    breakpoints are keyed, rows add hit rate, stitched share, captures and cache size;
+    ``warm``: calls made before timing; ``runner_kwargs``: more GraphRunner options, e.g.
+    ``sanitize=False``)."""
     if not case.use_runner and not compiled:
         return _bcg_graph(case, ctx, executor)
     fn = forward_of(case, case.bp, compiled)
@@ -141,18 +166,22 @@ def _bcg_runner(
         graph.use_executor(executor)
     torch.cuda.synchronize()
     stats = graph.stats()
-    args, fresh_live = case.static_args, case.fresh_live
+    args = case.static_args
+    fresh_live = live_stream if live_stream is not None else case.fresh_live
 
     def run() -> torch.Tensor:
         return runner(*args, live=fresh_live())
 
+    for _ in range(warm):
+        run()
     return Built(
         run=run,
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
         info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=runner.reset,
-        measure=_replay_measures(run, runner.stats if staged else None),
+        measure=_replay_measures(run, runner.stats, staged=staged, keyed=keyed),
+        check=(lambda: runner(*args, live=case.live)) if live_stream is not None else None,
     )
 
 
@@ -161,6 +190,16 @@ def _bcg_staged(case: Case, ctx: BuildContext, compiled: bool) -> Built:
     if case.staged is None:
         raise NotApplicable(f"{case.label} has no staged breakpoint here")
     return _bcg_runner(case.staged, ctx, None, compiled=compiled, staged=True)
+
+
+def _bcg_repeating(case: Case, ctx: BuildContext, kind: str, keyed: bool = True) -> Built:
+    """:func:`_bcg_runner` over a stream of length tuples that repeat as ``kind`` says, with the
+    case's keyed breakpoint (``keyed``) or its plain one; ``2 * VariantPolicy.window`` calls
+    are made before timing (variants captured; capturing stopped where keys do not repeat)."""
+    if case.specialized is None or case.live_stream is None:
+        raise NotApplicable(f"{case.label} has no keyed breakpoint here (the unfused attention has one)")
+    return _bcg_runner(case.specialized if keyed else case, ctx, None, live_stream=case.live_stream(kind),
+                       keyed=keyed, warm=2 * bcg.VariantPolicy().window)
 
 
 def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
@@ -296,3 +335,36 @@ def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_staged_compile(case: Case, ctx: BuildContext) -> Built:
     return _bcg_staged(case, ctx, compiled=True)
+
+
+@register_mode(
+    "bcg-specialized",
+    help="bcg.GraphRunner over the keyed breakpoint (variants per length tuple, stitched into one graph "
+    "when all hit), the point's fixed tuple; rows have hit_rate, stitched_share, variant_captures, cache_mib",
+)
+def build_bcg_specialized(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_repeating(case, ctx, "fixed")
+
+
+@register_mode(
+    "bcg-specialized-zipf",
+    help="bcg-specialized over length tuples drawn Zipf-distributed from --zipf-tuples tuples",
+)
+def build_bcg_specialized_zipf(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_repeating(case, ctx, "zipf")
+
+
+@register_mode(
+    "bcg-specialized-never",
+    help="bcg-specialized over length tuples that never repeat (compare with bcg-never)",
+)
+def build_bcg_specialized_never(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_repeating(case, ctx, "never")
+
+
+@register_mode(
+    "bcg-never",
+    help="bcg (plain breakpoints) over the same never-repeating length tuples as bcg-specialized-never",
+)
+def build_bcg_never(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_repeating(case, ctx, "never", keyed=False)

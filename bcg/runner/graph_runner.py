@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from bcg.breakpoint import UNSET, live_scope, recording
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
+from bcg.variants import VariantPolicy
 from bcg.errors import BcgError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
@@ -77,7 +78,8 @@ class GraphRunner:
     ``False`` zeroes only the inputs' tails, with host launches). ``pool`` /
     ``stream``: share a pool (and capture stream) with another runner
     (``other.pool()``). ``mode``: ``"graph"`` or ``"eager"``. ``progress``:
-    show a tqdm bar while capturing.
+    show a tqdm bar while capturing. ``variants``: a :class:`bcg.VariantPolicy`
+    for keyed breakpoints (each bucket's graph keeps its own variants).
 
     ``docs/runner.md`` says how a call runs: fallbacks, padded-row
     sanitizing, output lifetimes and thread safety.
@@ -100,6 +102,7 @@ class GraphRunner:
         capture_error_mode: str = "global",
         progress: bool = True,
         name: str | None = None,
+        variants: VariantPolicy | None = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -137,6 +140,7 @@ class GraphRunner:
         self._copy_outputs = copy_outputs if copy_outputs is None else bool(copy_outputs)
         self._sanitize = bool(sanitize)
         self._capture_error_mode = capture_error_mode
+        self._variants = variants
         self._progress = progress
         self._user_pool = pool
         self._pool: PoolHandle | None = pool
@@ -307,7 +311,7 @@ class GraphRunner:
             capture_fallback(
                 graph, lambda: self._padded_forward(n, views), membership.release,
                 stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
-                ownership="pool", after_breakpoint=sanitizer.hook(n),
+                ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
             )
         graph.outputs = membership.release(out)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
@@ -327,6 +331,7 @@ class GraphRunner:
             live=self._live_for(n),
             ownership="pool",
             after_breakpoint=sanitizer.hook(n),
+            variants=self._variants,
         ):
             out = self._padded_forward(n, views)
         return graph, out
@@ -556,7 +561,12 @@ class GraphRunner:
         ``padding_ratio`` (padded rows / bucket rows over graph calls),
         ``captured_buckets``, ``failed_buckets``, ``mode``, ``buckets``;
         ``inline_replays`` (graph calls whose staged breakpoints ran inline) and
-        ``staged_fallbacks`` ({reason: graph calls that ran the breakable form}).
+        ``staged_fallbacks`` ({reason: graph calls that ran the breakable form});
+        ``variants`` (keyed breakpoints, over every bucket's graphs: ``hits`` and
+        ``misses`` (step calls), ``hit_rate``, ``captures``, ``stitched_replays``,
+        ``evictions``, ``cache_bytes`` (variant pools and stitched executables)
+        and ``buckets`` ({bucket: :meth:`bcg.variants.VariantCache.stats` of its
+        graph, and ``fallback`` of its breakable form}); None without keyed breakpoints).
         """
         pool = self._pool_bytes()
         alone = self._largest_alone
@@ -582,6 +592,37 @@ class GraphRunner:
             "padding_ratio": 1 - self._real_rows / self._padded_rows if self._padded_rows else 0.0,
             "inline_replays": sum(inline for inline, _ in staged),
             "staged_fallbacks": staged_fallbacks,
+            "variants": self._variant_stats(),
+        }
+
+    def _variant_stats(self) -> dict[str, Any] | None:
+        per_bucket: dict[int, dict[str, Any]] = {}
+        caches = []
+        for b, x in self._buckets.items():
+            if x.graph is None:
+                continue
+            entry: dict[str, Any] = {}
+            for name, g in (("graph", x.graph), ("fallback", x.graph.fallback)):
+                if g is not None and g.variants is not None:
+                    entry[name] = g.variants.stats()
+                    caches.append(entry[name])
+            if entry:
+                per_bucket[b] = entry
+        if not caches:
+            return None
+        totals = {"hits": 0, "misses": 0, "captures": 0}
+        for st in caches:
+            for bp in st["breakpoints"].values():
+                for k in totals:
+                    totals[k] += bp[k]
+        calls = totals["hits"] + totals["misses"]
+        return {
+            **totals,
+            "hit_rate": totals["hits"] / calls if calls else None,
+            "stitched_replays": sum(st["stitched_replays"] for st in caches),
+            "evictions": sum(st["evictions"] for st in caches),
+            "cache_bytes": sum(st["variant_bytes"] + (st["stitched"] or {}).get("bytes", 0) for st in caches),
+            "buckets": per_bucket,
         }
 
     # -- release ---------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336},
     "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
 }
-ATTN = ("flash", "varlen", "loop")
+ATTN = ("flash", "varlen", "loop", "unfused")
+REPEATS = ("fixed", "zipf", "never")  # how the specialized modes' length tuples repeat
 LADDER_MIN = 16  # bcg.default_buckets' smallest bucket
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
@@ -137,7 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="capture a GraphRunner over the default 16-bucket ladder up to this many tokens and "
                    f"report its capture time and pool size (GPU only; 0 skips, else >= {LADDER_MIN}; default 4096)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
-                   help="attention implementations: flash,varlen,loop (default all three)")
+                   help="attention implementations: flash,varlen,loop,unfused (default all four; unfused: "
+                   "per request GQA expand, q@k^T, scale, causal mask, float32 softmax, @v: ~10 launches each)")
+    g.add_argument("--zipf-tuples", type=positive_int, default=16, metavar="N",
+                   help="mode bcg-specialized-zipf: length tuples drawn Zipf-distributed from N tuples (default 16)")
+    g.add_argument("--zipf-s", type=float, default=1.0,
+                   help="mode bcg-specialized-zipf: the Zipf exponent (P(k-th tuple) ~ k^-s; default 1.0)")
     g.add_argument("--slots", type=positive_int, default=8, metavar="R",
                    help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
                    "requests replays the breakable form (default 8)")
@@ -436,6 +442,25 @@ def sdpa_per_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         start = end
 
 
+def unfused_per_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lengths: Any) -> None:
+    """Causal attention request by request from small ops (GQA expand, ``q @ k^T``, scale, causal
+    ``masked_fill``, float32 softmax, ``@ v``, copy into ``out``): about ten launches per request,
+    the shape of any breakpoint whose host work is many small launches."""
+    rep = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    start = 0
+    for n in lengths:
+        end = start + n
+        qs = q[start:end].transpose(0, 1)
+        ks = _expand_kv(k[start:end], rep).transpose(0, 1)
+        vs = _expand_kv(v[start:end], rep).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        out[start:end].copy_((probs @ vs).transpose(0, 1))
+        start = end
+
+
 def varlen_usable(device: torch.device) -> bool:
     return _varlen_attn is not None and _CAUSAL is not None and device.type == "cuda"
 
@@ -450,6 +475,8 @@ _BACKENDS = {"varlen": ("varlen_attn", varlen_usable), "flash": ("aten._flash_at
 def attn_backend(attn: str, device: torch.device) -> str:
     if attn == "loop":
         return "sdpa-per-request"
+    if attn == "unfused":
+        return "unfused-per-request"
     name, usable = _BACKENDS[attn]
     if usable(device):
         return name
@@ -516,7 +543,49 @@ def attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     sdpa_per_request(q, k, v, out, bcg.live().lengths)
 
 
-BREAKPOINTS = {"flash": attention_flash, "varlen": attention_varlen, "loop": attention_loop}
+def _unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    unfused_per_request(q, k, v, out, bcg.live().lengths)
+
+
+attention_unfused = bcg.breakpoint(_unfused_attention, name="attention_unfused", mutates=("out",))
+# keyed: the request lengths decide every launch; the modes bcg-specialized* use it
+attention_unfused_keyed = bcg.breakpoint(
+    _unfused_attention, name="attention_unfused_keyed", mutates=("out",), key=lambda batch: batch.lengths
+)
+
+BREAKPOINTS = {"flash": attention_flash, "varlen": attention_varlen, "loop": attention_loop,
+               "unfused": attention_unfused}
+
+
+def length_stream(kind: str, T: int, requests: int, seed: int, tuples: int = 16, s: float = 1.0) -> Any:
+    """A function returning the next batch's request lengths (``requests`` summing to ``T``).
+
+    ``kind``: ``"fixed"`` (always the point's tuple), ``"zipf"`` (drawn from ``tuples`` tuples,
+    the k-th with probability ~ k^-s) or ``"never"`` (a tuple never returned before).
+    The same arguments give the same sequence.
+    """
+    fixed = tuple(request_lengths(T, requests, seed))
+    if kind == "fixed":
+        return lambda: fixed
+    rng = random.Random(seed * 7919 + T)
+    if kind == "zipf":
+        pool = [fixed] + [tuple(request_lengths(T, requests, seed + 1000 + i)) for i in range(tuples - 1)]
+        weights = [1.0 / (k + 1) ** s for k in range(len(pool))]
+        return lambda: rng.choices(pool, weights)[0]
+    if kind != "never":
+        raise ValueError(f"kind must be one of {REPEATS}, not {kind!r}")
+    seen: set[tuple[int, ...]] = set()
+
+    def never() -> tuple[int, ...]:
+        for _ in range(10_000):
+            cuts = sorted(rng.sample(range(1, T), requests - 1))
+            lengths = tuple(b - a for a, b in zip([0, *cuts], [*cuts, T]))
+            if lengths not in seen:
+                seen.add(lengths)
+                return lengths
+        raise RuntimeError(f"no new tuple of {requests} lengths summing to {T} left")
+
+    return never
 
 
 def padded_offsets(lengths: Sequence[int], slots: int) -> list[int]:
@@ -564,6 +633,8 @@ class StagedAttention:
 
 def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
     """The same attention with the lengths frozen now: capturable inside one CUDA graph."""
+    if attn == "unfused":
+        return lambda q, k, v, out: unfused_per_request(q, k, v, out, lengths)
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         cu = cu_seqlens(lengths, device)
         max_len = max(lengths)
@@ -620,6 +691,20 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
         live_for=lambda n: Batch.build(lengths_for(n), device),
     )
+    if attn == "unfused":
+        def stream(kind: str) -> Any:
+            lengths_of = length_stream(kind, T, args.requests, args.seed, args.zipf_tuples, args.zipf_s)
+            return lambda: Batch(lengths_of())
+
+        # host-only metadata (the keyed breakpoint reads the lengths, never a live tensor)
+        case.specialized = dataclasses.replace(
+            case,
+            bp=attention_unfused_keyed,
+            live=Batch(lengths),
+            new_live=lambda: Batch(lengths),
+            live_for=lambda n: Batch(lengths_for(n)),
+        )
+        case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
         case.staged = dataclasses.replace(
