@@ -62,7 +62,7 @@ class BridgeSet:
             is allocated and :meth:`check` compares later calls with it.
     """
 
-    __slots__ = ("name", "_spec", "_leaves", "_kinds", "_meta", "_keys", "_single", "nbytes")
+    __slots__ = ("name", "_spec", "_leaves", "_kinds", "_meta", "_keys", "_single", "_none", "nbytes")
 
     def __init__(
         self, name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, allocate: bool = True
@@ -100,10 +100,13 @@ class BridgeSet:
                 self._leaves.append(None)
         # Fast path for the common shape of a result: one tensor.
         self._single = isinstance(result, torch.Tensor)
+        self._none = result is None  # pytree flattens None to one leaf, None
 
     @property
     def empty(self) -> bool:
-        return not self._kinds
+        """Nothing to refresh or check when a replay returns None: the capture returned None (or
+        an empty structure). A replay that returns something else must still be checked."""
+        return self._none or not self._kinds
 
     def caller_result(self) -> Any:
         """What the caller receives at capture: the result with tensors replaced by bridges."""
@@ -139,7 +142,7 @@ class BridgeSet:
 
     def _leaves_of(self, result: Any) -> list[tuple[int, torch.Tensor]]:
         """The tensor leaves of ``result`` by position, after checking structure and frozen values."""
-        if result is None and not self._kinds:
+        if result is None and self.empty:
             return []
         leaves, spec = pytree.tree_flatten(result)
         if spec != self._spec:

@@ -100,8 +100,13 @@ class BreakableGraph:
         if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self._plan):
             # attaches itself to the keyed steps (graph mode) before the executor reads them
             self.variants = VariantCache(self._plan, parts.device if graph_mode else None,
-                                         parts.variant_policy or VariantPolicy())
+                                         parts.variant_policy or VariantPolicy(), self._rebuild_executor)
         self._executor = make_executor(self._plan) if graph_mode else None
+
+    def _rebuild_executor(self) -> None:
+        """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind."""
+        if self._executor is not None:
+            self._executor = make_executor(self._plan, self._executor.name)
 
     def set_fallback(self, graph: BreakableGraph) -> None:
         """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -288,8 +288,10 @@ class VariantCache:
     mode), through which replays of that step dispatch.
     """
 
-    def __init__(self, plan: tuple[Step, ...] | list[Step], device: int | None, policy: VariantPolicy) -> None:
+    def __init__(self, plan: tuple[Step, ...] | list[Step], device: int | None, policy: VariantPolicy,
+                 on_retire: Callable[[], None] | None = None) -> None:
         self.policy = policy
+        self._on_retire = on_retire  # the graph rebuilds its executor: retired steps call fn directly
         self.device = device
         self.book = KeyBook(policy)
         self._plan = tuple(plan)
@@ -337,11 +339,7 @@ class VariantCache:
         keys = self._keys = {}
         for spec in self._specs:
             keys[spec] = key = variant_key(spec, value)
-            st = self.book.stats(spec)
-            was_capturing = st.capturing
-            self.book.observe(spec, key)
-            if was_capturing and not st.capturing:
-                self._drop_unused(spec, key)
+            self._observe(spec, key)
         if not stitch or self.auditing or self.stitch_blocker is not None or self.stitched is None:
             return None
         entries = []
@@ -364,6 +362,17 @@ class VariantCache:
             self.book.stats(entry.spec).hits += self._steps_of[entry.spec]
             entry.hits += self._steps_of[entry.spec]
         return handle
+
+    def _observe(self, spec: BreakpointSpec, key: Hashable) -> None:
+        """Count ``spec``'s key for this replay; when capturing stops, free its unused variants and,
+        if none is left, retire it to plain calls."""
+        st = self.book.stats(spec)
+        was_capturing = st.capturing
+        self.book.observe(spec, key)
+        if was_capturing and not st.capturing:
+            self._drop_unused(spec, key)
+            if not any(e.spec is spec for _, e in self._entries.items()):
+                self._retire(spec)
 
     def _children(self, keys: dict[BreakpointSpec, Hashable]) -> list[int]:
         """The ``cudaGraph_t`` of each step of the plan in order (steps that launch nothing left out)."""
@@ -464,6 +473,19 @@ class VariantCache:
                 torch.cuda.empty_cache()
             log.info("bcg: keyed breakpoint %r: freed %d variant key(s) that never repeated", spec.name, len(unused))
 
+    def _retire(self, spec: BreakpointSpec) -> None:
+        """``spec`` stopped capturing and holds no variant: its steps become plain breakpoint calls
+        (from the next replay on), so they cost exactly what an unkeyed breakpoint costs."""
+        self._specs = tuple(s for s in self._specs if s is not spec)
+        for step in self._plan:
+            if isinstance(step, BreakpointStep) and step.spec is spec:
+                step.variants = None
+        self.book.stats(spec).stopped = f"{self.book.stats(spec).stopped}; it now runs as a plain breakpoint"
+        if self.stitch_blocker is None:
+            self.stitch_blocker = f"breakpoint {spec.name!r} stopped capturing variants (its keys did not repeat)"
+        if self._on_retire is not None:
+            self._on_retire()
+
     def _forget(self, entry: VariantEntry) -> None:
         """Release ``entry``'s variants and every stitched executable built from them."""
         if self.stitched is not None:
@@ -484,7 +506,7 @@ class VariantCache:
         """Eager mode: one call of ``spec`` (``first``: its first in this replay, whose key is
         computed and counted as a graph replay counts it); no variant is captured."""
         if first:
-            self.book.observe(spec, variant_key(spec, value))
+            self._observe(spec, variant_key(spec, value))
         self.book.stats(spec).misses += 1
 
     # -- release and stats ------------------------------------------------------------------------

@@ -313,3 +313,20 @@ def test_non_owning_alias_views_the_same_memory() -> None:
     assert torch.equal(alias, t)
     t.add_(1)
     assert torch.equal(alias, t)
+
+
+def test_a_breakpoint_that_returned_none_has_nothing_to_refresh_but_still_checks() -> None:
+    from bcg.plan import BreakpointStep
+
+    def halve(y: torch.Tensor) -> None:
+        y.mul_(0.5)
+
+    y = torch.zeros(3)
+    spec = bcg.breakpoint(name="halve", mutates=("y",))(halve).__bcg_breakpoint__
+    bridges = BridgeSet("halve", None, (y,), {})
+    assert bridges.empty and bridges.tensors() == []
+    fn, args, kwargs, on_result, always = BreakpointStep(spec=spec, args=(y,), kwargs={}, bridges=bridges).call()
+    assert on_result is not None and not always  # replays never call it for a None result
+    bridges.refresh(None)  # nothing to do
+    with pytest.raises(bcg.BreakpointOutputMismatch, match="halve"):
+        on_result(torch.ones(3))  # but a result where the capture had None is a mismatch

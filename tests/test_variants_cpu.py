@@ -151,3 +151,14 @@ def test_a_graph_without_keyed_breakpoints_has_no_variants() -> None:
 
     graph = bcg.make_graph(lambda x: plain(x + 1) + 1, torch.randn(4), mode="eager")
     assert graph.variants is None and graph.stats().variants is None
+
+
+def test_keys_that_never_repeat_retire_the_breakpoint_to_plain_calls() -> None:
+    x = torch.randn(4)
+    graph = bcg.make_graph(_forward, x, live=Meta((1,)), mode="eager", variants=bcg.VariantPolicy(window=4))
+    for n in range(2, 10):  # never the same key
+        with bcg.live_scope(Meta((n,))):
+            want = _forward(x.clone())
+        assert torch.equal(graph.replay(live=Meta((n,))), want)
+    bp = graph.stats().variants["breakpoints"]["scaled"]
+    assert not bp["capturing"] and "0%" in bp["stopped"] and "plain breakpoint" in bp["stopped"]

@@ -318,6 +318,8 @@ def test_low_hit_rate_stops_capturing() -> None:
     assert not bp["capturing"] and "repeated" in bp["stopped"]
     assert bp["captures"] == 7  # the first window's replays before it was judged (at its 8th)
     assert st["entries"] == 0  # their variants, never used, were freed when capturing stopped
+    assert "plain breakpoint" in bp["stopped"]  # and the steps went back to plain calls
+    assert all(s.variants is None for s in graph.breakpoints) and graph.executor == "native"
     graph.reset()
 
 
