@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed replays per row (default {GPU_ITERS}; {CPU_ITERS} without CUDA)")
     p.add_argument("--warmup", type=nonnegative_int, default=2,
                    help="untimed replays before each block of timed replays (default 2)")
+    p.add_argument("--max-stitched", type=positive_int, default=bcg.VariantPolicy().max_stitched, metavar="N",
+                   help="keyed modes (bcg-specialized*): stitched executables kept per graph; a new length tuple "
+                   "beyond them updates the oldest in place (default %(default)s)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
@@ -364,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workloads.append(name)
     iters = args.iters or (GPU_ITERS if cuda else CPU_ITERS)
     sync = sync_fn(device)
-    ctx = BuildContext(capture_warmup=args.capture_warmup)
+    ctx = BuildContext(capture_warmup=args.capture_warmup, max_stitched=args.max_stitched)
 
     env = report.environment()
     config: dict[str, Any] = {

@@ -94,7 +94,8 @@ def _replay_measures(
 
 
 def _variant_measures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """A keyed runner's hit rate, stitched share, captures and cache size between two ``stats()``."""
+    """A keyed runner's hit rate, stitched share, captures and cache size between two ``stats()``;
+    the stitched executables' instantiate and update counts and mean ms since the capture."""
     b, a = before["variants"] or {}, after["variants"] or {}
     hits = a.get("hits", 0) - b.get("hits", 0)
     calls = hits + a.get("misses", 0) - b.get("misses", 0)
@@ -104,7 +105,21 @@ def _variant_measures(before: dict[str, Any], after: dict[str, Any]) -> dict[str
         "stitched_share": (a.get("stitched_replays", 0) - b.get("stitched_replays", 0)) / graph_calls if graph_calls else None,
         "variant_captures": a.get("captures", 0) - b.get("captures", 0),
         "cache_mib": a.get("cache_bytes", 0) / 2**20,
+        **_stitch_costs(a),
     }
+
+
+def _stitch_costs(variants: dict[str, Any]) -> dict[str, Any]:
+    """Stitched executables of every bucket so far: instantiations and in-place updates, and their
+    mean cost in ms (instantiate + upload; ``cudaGraphExecUpdate``)."""
+    caches = [g["stitched"] for b in variants.get("buckets", {}).values() for g in b.values() if g.get("stitched")]
+    out: dict[str, Any] = {}
+    for count_key, ms_key in (("instantiations", "instantiate_ms"), ("updates", "update_ms")):
+        count = sum(c[count_key] for c in caches)
+        total = sum((c[ms_key] or 0.0) * c[count_key] for c in caches)
+        out[f"stitched_{count_key}"] = count
+        out[f"stitched_{ms_key}"] = total / count if count else None
+    return out
 
 
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
@@ -198,8 +213,9 @@ def _bcg_repeating(case: Case, ctx: BuildContext, kind: str, keyed: bool = True)
     are made before timing (variants captured; capturing stopped where keys do not repeat)."""
     if case.specialized is None or case.live_stream is None:
         raise NotApplicable(f"{case.label} has no keyed breakpoint here (the unfused attention has one)")
+    policy = bcg.VariantPolicy(max_stitched=ctx.max_stitched)
     return _bcg_runner(case.specialized if keyed else case, ctx, None, live_stream=case.live_stream(kind),
-                       keyed=keyed, warm=2 * bcg.VariantPolicy().window)
+                       keyed=keyed, warm=2 * policy.window, variants=policy)
 
 
 def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:

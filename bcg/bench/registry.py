@@ -31,6 +31,7 @@ class BuildContext:
     """Settings every mode may need."""
 
     capture_warmup: int = 1  # eager runs on the capture stream before a capture
+    max_stitched: int = 32  # keyed modes: VariantPolicy.max_stitched
 
 
 @dataclass(eq=False)
