@@ -12,7 +12,9 @@ A breakpoint declared with ``@bcg.breakpoint(key=...)`` is *keyed*. The contract
   reading the capture-time one. bcg watches the ATen ops of a variant capture
   and keeps a key that reads such a tensor eager.
 * The first time a replay meets a key, the breakpoint runs eagerly (this
-  replay's results), then its call is captured into a variant graph: a
+  replay's results), then its call is captured into a variant graph (so its
+  Python code runs a second time, its GPU work recorded, not run: host side
+  effects must tolerate that): a
   ``"thread_local"`` capture on bcg's capture stream, reading and writing the
   same argument and bridge addresses. Later replays with that key launch the
   variant instead of running the function.

@@ -153,7 +153,12 @@ def verify(
     Comparison is exact by default (same kernels give the same bits); NaN equals
     NaN. Breakpoints should declare ``mutates`` (their written arguments are then
     compared as outputs, not inputs); tensors must be fully written by the code
-    (rows left uninitialised differ between runs). Raises :class:`VerificationError` on a mismatch unless
+    (rows left uninitialised differ between runs). Keyed breakpoints (``key=``)
+    run from their variants where this sample's key was met before (a miss
+    otherwise); a sample that passes step by step is then replayed whole (one
+    stitched launch where the graph stitches) and compared again, so a key that
+    misses a field is caught when two samples share it.
+    Raises :class:`VerificationError` on a mismatch unless
     ``raise_on_mismatch=False``.
     """
     if not live_samples:
@@ -178,7 +183,7 @@ def verify(
             dst.copy_(src)
         eager_taps, eager_out = _tapped_eager(source, live, plan)
         found = _compare(plan, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
-        if found is None and _keyed(graph, plan):
+        if found is None and _keyed(plan):
             found = _whole_replay(graph, live, i, static, saved, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
@@ -223,7 +228,7 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
     return taps, _tensors(graph.outputs), plan
 
 
-def _keyed(graph: BreakableGraph, plan: tuple[Step, ...]) -> bool:
+def _keyed(plan: tuple[Step, ...]) -> bool:
     return any(isinstance(s, BreakpointStep) and s.variants is not None for s in plan)
 
 
