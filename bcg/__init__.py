@@ -28,6 +28,7 @@ from bcg.errors import (
 from bcg.graph import BreakableGraph, GraphStats
 from bcg.staging import StagingBuffer
 from bcg.variants import VariantPolicy
+from bcg.distributed import RankAgreement
 from bcg.breakpoint import live, live_scope
 from bcg.make_graph import make_graph
 from bcg.pool import graph_pool_handle
@@ -50,6 +51,7 @@ __all__ = [
     "HostSyncInCaptureError",
     "LiveReadInSegmentError",
     "NestedCaptureError",
+    "RankAgreement",
     "ReplayError",
     "StagingBuffer",
     "StreamForkError",

@@ -160,8 +160,10 @@ class CaptureSession(Recorder):
         owns_pool: bool = True,
         inline: bool = True,
         replay_stream: torch.cuda.Stream | None = None,
+        barrier: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
+        self._barrier = barrier
         self.inline = inline
         self.replay_stream = replay_stream if replay_stream is not None else stream
         self.stager = Stager()
@@ -250,6 +252,8 @@ class CaptureSession(Recorder):
     # -- Recorder -----------------------------------------------------------------------------
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close_segment(f"breakpoint {spec.name!r}")
+        if self._barrier is not None:
+            self._barrier()  # ranks re-align before work that really runs (it may hold collectives)
         try:
             result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
         except BaseException as exc:
@@ -348,6 +352,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             ``GraphRunner`` capture one).
         variants: a :class:`bcg.VariantPolicy`, the bounds of keyed
             breakpoints' variants and stitched executables (default: its defaults).
+        barrier: called before each breakpoint runs eagerly during the
+            capture (not inline ones); raising abandons the capture. Multi-GPU:
+            :meth:`bcg.distributed.CaptureVote.barrier` keeps ranks together.
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -383,6 +390,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         poison: bool | None = None,
         inline: bool = True,
         variants: VariantPolicy | None = None,
+        barrier: Callable[[], None] | None = None,
     ) -> None:
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
@@ -400,6 +408,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._poison = env_flag("BCG_POISON") if poison is None else poison
         self._inline = inline
         self._variants = variants
+        self._barrier = barrier
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -435,6 +444,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             self._session = CaptureSession(
                 pool, stream, self._mode, device, self._ownership, self._after_breakpoint,
                 owns_pool=self._pool is None, inline=self._inline, replay_stream=self._ambient,
+                barrier=self._barrier,
             )
         except BaseException:
             _PROCESS.lock.release()

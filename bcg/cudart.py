@@ -211,7 +211,10 @@ def exec_update(graph_exec: int, graph: int) -> bool:
     rt = runtime()
     result = rt.cudaGraphExecUpdate(graph_exec, graph)
     err = result[0] if isinstance(result, tuple) else result
-    return err == rt.cudaError_t.cudaSuccess
+    if err == rt.cudaError_t.cudaErrorGraphExecUpdateFailure:
+        return False
+    check(err)  # any other error (a sticky one from earlier work) is not a refusal
+    return True
 
 
 def launch(graph_exec: int, stream: int) -> None:

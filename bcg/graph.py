@@ -220,7 +220,7 @@ class BreakableGraph:
         )
 
     # -- replay -------------------------------------------------------------------------
-    def replay(self, live: Any = UNSET) -> Any:
+    def replay(self, live: Any = UNSET, *, breakable: bool = False, stitch: bool = True) -> Any:
         """Run segment, breakpoint, segment, ... on the current stream.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints during this
@@ -236,6 +236,12 @@ class BreakableGraph:
         A graph with keyed breakpoints computes their keys: when every
         breakpoint has a variant for its key, it launches one stitched graph
         (see :mod:`bcg.variants`).
+
+        Arguments:
+            live: what :func:`bcg.live` returns inside breakpoints.
+            breakable: replay the breakable form even when the staged metadata
+                fits (ranks that must agree: another rank's does not fit).
+            stitch: allow one stitched launch (``False``: piecewise).
 
         Raises:
             VerificationError: an audit replay (``VariantPolicy.audit_every``)
@@ -254,8 +260,10 @@ class BreakableGraph:
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
         if stager is not None:
             reason = stager.misfit(live)
+            if reason is None and breakable:
+                reason = "another rank's metadata does not fit"
             if reason is not None:
-                return self._replay_fallback(reason, live)
+                return self._replay_fallback(reason, live, stitch)
             stager.prepare(live)  # host writes; the graph copies them in
             self._inline_replays += 1
         if parts.guards is not None:
@@ -271,7 +279,7 @@ class BreakableGraph:
                 if self.variants is not None:
                     self.variants.begin_replay(live, stitch=False)
                 self._run_profiled()
-            elif self.variants is not None and (stitched := self.variants.begin_replay(live)) is not None:
+            elif self.variants is not None and (stitched := self.variants.begin_replay(live, stitch)) is not None:
                 cudart.launch(stitched, _current_stream(device))  # every keyed step hit: one launch
             else:
                 executor.run()
@@ -290,7 +298,16 @@ class BreakableGraph:
         if self._parts.stager is not None:
             self._parts.stager.prepare(live)
 
-    def _replay_fallback(self, reason: str, live: Any) -> Any:
+    def would_stitch(self, live: Any, breakable: bool | None = None) -> bool:
+        """Whether a replay with ``live`` would be one stitched launch (keyed breakpoints all hit;
+        no side effect). ``breakable``: of the breakable form (True), of this graph (False), or
+        of whichever the staged metadata picks (None)."""
+        if breakable is None:
+            breakable = self.would_fall_back(live) is not None
+        graph = self.fallback if breakable else self
+        return graph is not None and graph.variants is not None and graph.variants.would_stitch(live)
+
+    def _replay_fallback(self, reason: str, live: Any, stitch: bool = True) -> Any:
         """The breakable form's replay, for metadata outside the staged bounds; outputs copied back."""
         if self.fallback is None:
             raise ReplayError(
@@ -301,7 +318,7 @@ class BreakableGraph:
         self._fallback_replays[reason] = self._fallback_replays.get(reason, 0) + 1
         self._replaying += 1  # reset() must refuse while the fallback replays
         try:
-            copy_outputs_into(self.outputs, self.fallback.replay(live), "the breakable form")
+            copy_outputs_into(self.outputs, self.fallback.replay(live, stitch=stitch), "the breakable form")
         finally:
             self._replaying -= 1
         return self.outputs

@@ -33,6 +33,10 @@ class Lru(Generic[K, V]):
             self._items.move_to_end(key)
         return value
 
+    def peek(self, key: K) -> V | None:
+        """The value under ``key``, or None, without making it the most recently used."""
+        return self._items.get(key)
+
     def put(self, key: K, value: V, nbytes: int = 0) -> None:
         self.pop(key)
         self._items[key] = value

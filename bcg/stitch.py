@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bcg import cudart
+from bcg.capture import capture_lock
 from bcg.lru import Lru
 
 log = logging.getLogger("bcg")
@@ -75,17 +76,28 @@ class StitchedCache:
                 handle = self._update_oldest(key, template, parts)
                 if handle is not None:
                     return handle
-            for victim in self._lru.over(lambda k: False, room=1):
-                self._destroy(victim)
+            victims = self._lru.over(lambda k: False, room=1)
+            if victims:
+                with capture_lock():  # synchronizing would break another thread's capture
+                    torch.cuda.synchronize()  # a queued replay may still launch them
+                    for victim in victims:
+                        self._destroy(victim)
             free = torch.cuda.mem_get_info()[0]
             t0 = time.perf_counter()
             handle = cudart.instantiate(template)
-            cudart.upload(handle, stream)
+            try:
+                cudart.upload(handle, stream)
+            except BaseException:
+                cudart.exec_destroy(handle)
+                raise
             self._instantiate_s += time.perf_counter() - t0
             self.instantiations += 1
             self._lru.put(key, _Executable(handle, parts), max(free - torch.cuda.mem_get_info()[0], 0))
             return handle
         except RuntimeError as exc:
+            if "memory" in str(exc).lower():  # out of memory now: piecewise this time, stitch later
+                log.info("bcg: no memory to stitch this replay (%s); it runs piecewise", exc)
+                return None
             self.blocked = f"{exc}"
             log.warning("bcg: this graph's segments and variants cannot be stitched into one graph (%s); "
                         "its replays stay piecewise", exc)
@@ -119,9 +131,9 @@ class StitchedCache:
                 self._destroy(key)
 
     def _destroy(self, key: Hashable) -> None:
+        """Destroy the executable of ``key`` (no launch of it may be queued: the caller synchronized)."""
         exe = self._lru.pop(key)
         if exe is not None:
-            torch.cuda.synchronize()  # a queued replay may still launch it
             cudart.exec_destroy(exe.handle)
 
     def release(self) -> None:

@@ -8,9 +8,14 @@ A breakpoint declared with ``@bcg.breakpoint(key=...)`` is *keyed*. The contract
   same kernels, with the same parameters, on the same tensors.
 * The function reads device data only through its arguments (held by the graph
   at fixed addresses) and writes only them and its results. A tensor taken
-  from ``bcg.live()`` is a new tensor at every replay: a variant would keep
-  reading the capture-time one. bcg watches the ATen ops of a variant capture
-  and keeps a key that reads such a tensor eager.
+  from ``bcg.live()`` is usually a new tensor at every replay: a variant would
+  keep reading the capture-time one. bcg watches the ATen ops of a variant
+  capture and keeps a key that touches such a tensor eager; kernels handed a
+  raw pointer (Triton, extensions) are not seen, so do not pass them live
+  tensors. Host memory is not watched at all: a copy from a pinned host
+  buffer that the function fills on the host is recorded as the copy alone,
+  and a variant replays it without the host write (put such values in the key,
+  or in a staged breakpoint's ``prepare``).
 * The first time a replay meets a key, the breakpoint runs eagerly (this
   replay's results), then its call is captured into a variant graph (so its
   Python code runs a second time, its GPU work recorded, not run: host side
@@ -43,6 +48,7 @@ evicted key's pool goes back to the driver whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import OrderedDict
@@ -81,13 +87,18 @@ class VariantPolicy:
         max_stitched_bytes: device memory the stitched executables may hold
             (measured as the drop of free memory over instantiate and upload).
         window: replays of a breakpoint over which its hit rate is judged.
-        min_hit_rate: a breakpoint whose keys repeat in fewer than this share of
-            a window's replays stops capturing new variants (its existing ones
-            stay in use); ``stats()`` says so.
+        min_hit_rate: a breakpoint whose variants served fewer than this share
+            of the replays in two windows in a row stops capturing, for the
+            graph's lifetime; its variants that never served a replay are
+            freed, and with none left it runs as a plain breakpoint again.
+            ``stats()`` says so.
         audit_every: every Nth replay runs each keyed breakpoint that hits both
             ways, variant then eager, and compares; a difference raises
             :class:`bcg.VerificationError` naming the breakpoint and key (0: never).
         stitch: launch a replay whose breakpoints all hit as one stitched graph.
+
+    The bounds hold per graph: a ``GraphRunner``'s buckets, and a staged
+    graph's breakable form, each keep their own.
     """
 
     max_variants: int = 64
@@ -137,7 +148,8 @@ class KeyStats:
     capturing: bool = True
     stopped: str | None = None
     window_replays: int = 0
-    window_repeats: int = 0
+    window_served: int = 0
+    low_windows: int = 0  # consecutive windows below min_hit_rate
 
 
 class KeyBook:
@@ -155,8 +167,14 @@ class KeyBook:
             self._seen[spec] = OrderedDict()
         return st
 
-    def observe(self, spec: BreakpointSpec, key: Hashable) -> KeyStats:
-        """Count one replay of ``spec`` with ``key``; judge its hit rate at each window's end."""
+    def observe(self, spec: BreakpointSpec, key: Hashable, served: bool | None = None) -> KeyStats:
+        """Count one replay of ``spec`` with ``key``; judge its hit rate at each window's end.
+
+        ``served``: whether a captured variant serves this key (None, as in eager mode: whether
+        the key was seen before). Capturing stops after two windows in a row in which fewer than
+        ``min_hit_rate`` of the replays were served: keys that never repeat, or that repeat only
+        after the cache has evicted them (a working set larger than the cache).
+        """
         st = self.stats(spec)
         seen = self._seen[spec]
         repeat = key in seen
@@ -169,17 +187,18 @@ class KeyBook:
         st.replays += 1
         st.repeats += repeat
         st.window_replays += 1
-        st.window_repeats += repeat
+        st.window_served += repeat if served is None else served
         if st.window_replays >= self.policy.window:
-            rate = st.window_repeats / st.window_replays
-            if st.capturing and rate < self.policy.min_hit_rate:
+            rate = st.window_served / st.window_replays
+            st.low_windows = st.low_windows + 1 if rate < self.policy.min_hit_rate else 0
+            if st.capturing and st.low_windows >= 2:
                 st.capturing = False
                 st.stopped = (
-                    f"keys repeated in {rate:.0%} of {st.window_replays} replays (min_hit_rate "
-                    f"{self.policy.min_hit_rate:.0%}): no new variants are captured"
+                    f"variants served {rate:.0%} of the last {st.window_replays} replays, under min_hit_rate "
+                    f"{self.policy.min_hit_rate:.0%} for two windows in a row: no new variants are captured"
                 )
                 log.warning("bcg: keyed breakpoint %r: %s", spec.name, st.stopped)
-            st.window_replays = st.window_repeats = 0
+            st.window_replays = st.window_served = 0
         return st
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -229,10 +248,6 @@ class VariantEntry:
     failed: str | None = None
     hits: int = 0  # step calls it served
 
-    @property
-    def uses_rng(self) -> bool:
-        return any(v.uses_rng for v in self.variants.values())
-
     def release(self) -> None:
         for v in self.variants.values():
             v.graph.reset()
@@ -260,23 +275,35 @@ class _WatchLiveTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def live_tensors(value: Any, depth: int = 6) -> list[torch.Tensor]:
-    """The tensors reachable from a live value: through containers, dataclasses and attributes."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0 or value is None or isinstance(value, (str, bytes, int, float, bool)):
-        return []
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        children: list[Any] = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    elif isinstance(value, dict):
-        children = list(value.values())
-    elif isinstance(value, (list, tuple)):
-        children = list(value)
-    elif hasattr(value, "__dict__") and not callable(value):
-        children = list(vars(value).values())
-    else:
-        return []
-    return [t for child in children[:256] for t in live_tensors(child, depth - 1)]
+def live_tensors(value: Any, depth: int = 8, limit: int = 1 << 16) -> list[torch.Tensor]:
+    """The tensors reachable from a live value through containers, dataclasses and attributes
+    (``__dict__`` and ``__slots__``): at most ``depth`` levels and ``limit`` objects looked at."""
+    out: list[torch.Tensor] = []
+    todo: list[tuple[Any, int]] = [(value, depth)]
+    seen = 0
+    while todo and seen < limit:
+        obj, d = todo.pop()
+        seen += 1
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+            continue
+        if d == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)) or callable(obj):
+            continue
+        if dataclasses.is_dataclass(obj):
+            children: list[Any] = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+        elif isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = list(obj)
+        else:
+            children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+            for cls in type(obj).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    if hasattr(obj, name):
+                        children.append(getattr(obj, name))
+        todo.extend((child, d - 1) for child in children)
+    return out
 
 
 # -- the graph's cache --------------------------------------------------------------------------
@@ -342,16 +369,12 @@ class VariantCache:
         for spec in self._specs:
             keys[spec] = key = variant_key(spec, value)
             self._observe(spec, key)
-        if not stitch or self.auditing or self.stitch_blocker is not None or self.stitched is None:
+        if not stitch or self.auditing:
             return None
-        entries = []
-        for spec, key in keys.items():
-            entry = self._entries.get((spec, key))
-            if entry is None or entry.failed is not None or len(entry.variants) < self._steps_of[spec]:
-                return None
-            if any(v.uses_rng is not False for v in entry.variants.values()):
-                return None  # not launched through torch yet, or draws random numbers
-            entries.append(entry)
+        entries = self._stitchable(keys, touch=True)
+        if entries is None:
+            return None
+        assert self.stitched is not None
         tuple_key = tuple(keys.values())
         handle = self.stitched.get(tuple_key)
         if handle is None:
@@ -365,12 +388,39 @@ class VariantCache:
             entry.hits += self._steps_of[entry.spec]
         return handle
 
+    def would_stitch(self, value: Any) -> bool:
+        """Whether a replay with ``value`` would be one stitched launch, as far as this graph can
+        tell now (no side effect; the first build of an executable may still be refused)."""
+        every = self.policy.audit_every
+        if every and (self._replays + 1) % every == 0:
+            return False
+        return self._stitchable({spec: variant_key(spec, value) for spec in self._specs}, touch=False) is not None
+
+    def _stitchable(self, keys: dict[BreakpointSpec, Hashable], touch: bool) -> list[VariantEntry] | None:
+        """The entries of ``keys`` when each is complete and draws no random numbers, and the
+        graph can be stitched; else None. ``touch``: mark them recently used."""
+        if self.stitch_blocker is not None or self.stitched is None or self.stitched.blocked is not None:
+            return None
+        entries = []
+        for spec, key in keys.items():
+            entry = self._entries.get((spec, key)) if touch else self._entries.peek((spec, key))
+            if entry is None or entry.failed is not None or len(entry.variants) < self._steps_of[spec]:
+                return None
+            if any(v.uses_rng is not False for v in entry.variants.values()):
+                return None  # not launched through torch yet, or draws random numbers
+            entries.append(entry)
+        return entries
+
     def _observe(self, spec: BreakpointSpec, key: Hashable) -> None:
         """Count ``spec``'s key for this replay; when capturing stops, free its unused variants and,
         if none is left, retire it to plain calls."""
         st = self.book.stats(spec)
         was_capturing = st.capturing
-        self.book.observe(spec, key)
+        served = None
+        if self.device is not None:
+            entry = self._entries.peek((spec, key))
+            served = entry is not None and entry.failed is None and len(entry.variants) == self._steps_of[spec]
+        self.book.observe(spec, key, served)
         if was_capturing and not st.capturing:
             self._drop_unused(spec, key)
             if not any(e.spec is spec for _, e in self._entries.items()):
@@ -422,7 +472,7 @@ class VariantCache:
         storages = {t.untyped_storage().data_ptr() for t in live_tensors(live(None, static_ok=True)) if t.is_cuda}
         before = torch.cuda.memory_reserved(self.device)
         try:
-            with _WatchLiveTensors(storages) if storages else _nothing():
+            with _WatchLiveTensors(storages) if storages else contextlib.nullcontext():
                 graph, nodes = capture_call(step.eager_launch, entry.pool, self.device)
         except Exception as exc:  # any refusal: the key stays eager
             self._fail(entry, exc)
@@ -442,38 +492,42 @@ class VariantCache:
                 entry.spec.name, entry.key, reason,
             )
         if entry.variants:
-            with capture_lock():
-                torch.cuda.synchronize(self.device)  # earlier replays may still run them
-                self._forget(entry)
+            self._free([entry], empty_cache=False)
         entry.failed = reason
+
+    def _free(self, entries: list[VariantEntry], empty_cache: bool = True) -> None:
+        """Release ``entries``' variants and the stitched executables built from them; the pools
+        go back to the driver (``empty_cache``). Under the capture lock (synchronizing and
+        freeing would break another thread's capture), after a synchronize (a queued replay may
+        still launch them)."""
+        with capture_lock():
+            torch.cuda.synchronize(self.device)
+            for entry in entries:
+                if self.stitched is not None:
+                    self.stitched.drop((entry.spec, entry.key))
+                entry.release()
+            if empty_cache:
+                torch.cuda.empty_cache()
+
+    def _pop(self, keys: list[tuple[BreakpointSpec, Hashable]]) -> list[VariantEntry]:
+        return [e for e in (self._entries.pop(k) for k in keys) if e is not None]
 
     def _make_room(self) -> bool:
         """Evict least recently used entries (not this replay's) so one more fits; False if none can go."""
         current = {(spec, key) for spec, key in self._keys.items()}
-        victims = self._entries.over(lambda k: k in current, room=1)
+        victims = self._pop(self._entries.over(lambda k: k in current, room=1))
         if victims:
-            with capture_lock():  # synchronizing and freeing would break another thread's capture
-                torch.cuda.synchronize(self.device)  # a queued replay may still launch them
-                for k in victims:
-                    entry = self._entries.pop(k)
-                    if entry is not None:
-                        self._forget(entry)
-                        self.evictions += 1
-                torch.cuda.empty_cache()  # the evicted pools go back to the driver
+            self._free(victims)
+            self.evictions += len(victims)
         return not self._entries.full(room=1)
 
     def _drop_unused(self, spec: BreakpointSpec, current: Hashable) -> None:
-        """``spec`` stopped capturing: free its variants that never served a replay (keys seen once)."""
-        unused = [k for k, e in self._entries.items() if e.spec is spec and not e.hits and k != (spec, current)]
+        """``spec`` stopped capturing: free its variants that never served a replay."""
+        unused = self._pop([k for k, e in self._entries.items() if e.spec is spec and not e.hits and k != (spec, current)])
         if unused:
-            with capture_lock():
-                torch.cuda.synchronize(self.device)
-                for k in unused:
-                    entry = self._entries.pop(k)
-                    if entry is not None:
-                        self._forget(entry)
-                torch.cuda.empty_cache()
-            log.info("bcg: keyed breakpoint %r: freed %d variant key(s) that never repeated", spec.name, len(unused))
+            self._free(unused)
+            log.info("bcg: keyed breakpoint %r: freed %d variant key(s) that never served a replay", spec.name,
+                     len(unused))
 
     def _retire(self, spec: BreakpointSpec) -> None:
         """``spec`` stopped capturing and holds no variant: its steps become plain breakpoint calls
@@ -488,20 +542,11 @@ class VariantCache:
         if self._on_retire is not None:
             self._on_retire()
 
-    def _forget(self, entry: VariantEntry) -> None:
-        """Release ``entry``'s variants and every stitched executable built from them."""
-        if self.stitched is not None:
-            self.stitched.drop((entry.spec, entry.key))
-        entry.release()
-
     def evict(self, spec: BreakpointSpec, key: Hashable) -> None:
         """Drop the variants of ``spec`` for ``key`` (after a failed audit): the key is captured anew."""
-        entry = self._entries.pop((spec, key))
-        if entry is not None:
-            with capture_lock():
-                torch.cuda.synchronize(self.device)
-                self._forget(entry)
-                torch.cuda.empty_cache()
+        entries = self._pop([(spec, key)])
+        if entries:
+            self._free(entries)
 
     # -- eager mode -----------------------------------------------------------------------------
     def observe_eager(self, spec: BreakpointSpec, value: Any, first: bool) -> None:
@@ -535,14 +580,6 @@ class VariantCache:
 
 
 _MISSING = object()
-
-
-class _nothing:  # noqa: N801 - a no-op context manager without contextlib's generator frame
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class StepVariants:
@@ -589,8 +626,16 @@ class StepVariants:
         cudart.launch(int(variant.graph.raw_cuda_graph_exec()), self._get_stream(self._get_device()))
 
     def _audit(self, variant: Variant, key: Hashable) -> None:
-        """Run the variant, then the function eagerly from the same state; raise if they differ."""
+        """Run the variant, then the function eagerly from the same state; raise if they differ.
+
+        A variant that draws random numbers cannot match its eager call (other draws): it is
+        launched, not audited. The state is saved by cloning every argument the breakpoint may
+        write (all of them without ``mutates=``).
+        """
         step = self.step
+        if variant.uses_rng:
+            self._launch(variant)
+            return
         written = step.spec.mutated_tensors(step.args, step.kwargs)
         saved = [t.clone() for t in written]
         self._launch(variant)

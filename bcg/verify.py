@@ -155,9 +155,10 @@ def verify(
     compared as outputs, not inputs); tensors must be fully written by the code
     (rows left uninitialised differ between runs). Keyed breakpoints (``key=``)
     run from their variants where this sample's key was met before (a miss
-    otherwise); a sample that passes step by step is then replayed whole (one
-    stitched launch where the graph stitches) and compared again, so a key that
-    misses a field is caught when two samples share it.
+    otherwise); a sample that passes step by step is then replayed whole
+    (stitched once the graph can stitch and the keys' variants have launched
+    once) and compared again, so a key that misses a field is caught when two
+    samples share it. Give repeated samples to exercise stitched replays.
     Raises :class:`VerificationError` on a mismatch unless
     ``raise_on_mismatch=False``.
     """

@@ -64,13 +64,28 @@ def test_keybook_counts_repeats_and_stops_capturing_when_keys_do_not_repeat(capl
     for key in (1, 1, 1, 2):  # 2 of 4 repeat: 50%, keeps capturing
         book.observe(spec, key)
     assert book.stats(spec).capturing
+    for key in (3, 4, 5, 3):  # 1 of 4: one low window, still capturing
+        book.observe(spec, key)
+    assert book.stats(spec).capturing
     with caplog.at_level(logging.WARNING, logger="bcg"):
-        for key in (3, 4, 5, 3):  # 1 of 4: stops
+        for key in (6, 7, 5, 8):  # 1 of 4 again: two low windows in a row, stops
             book.observe(spec, key)
     st = book.summary()["attn"]
-    assert st["replays"] == 8 and st["repeats"] == 3
-    assert not st["capturing"] and "25%" in st["stopped"]
+    assert st["replays"] == 12 and st["repeats"] == 4
+    assert not st["capturing"] and "25%" in st["stopped"] and "two windows" in st["stopped"]
     assert any("attn" in r.getMessage() and "no new variants" in r.getMessage() for r in caplog.records)
+
+
+def test_keybook_judges_served_replays_when_told() -> None:
+    spec = bcg.breakpoint(name="attn", key=lambda m: m)(lambda x: x).__bcg_breakpoint__
+    book = KeyBook(bcg.VariantPolicy(window=4))
+    for _ in range(8):  # the same key every time, but never served (a cache that thrashes)
+        book.observe(spec, 1, served=False)
+    assert not book.stats(spec).capturing
+    book = KeyBook(bcg.VariantPolicy(window=4))
+    for i in range(16):  # 4 keys in rotation: a low first window (first sightings), then all served
+        book.observe(spec, i % 4, served=i >= 4)
+    assert book.stats(spec).capturing
 
 
 def test_keybook_remembers_a_bounded_number_of_keys() -> None:

@@ -65,6 +65,8 @@ class Case:
     # ``live_stream(kind)``: a fresh function returning each forward's live metadata, its length
     # tuples repeating as ``kind`` says ("fixed", "zipf", "never"); None: the point has no stream
     live_stream: Callable[[str], Callable[[], Any]] | None = None
+    # tensor parallel: the same forward without its all-reduces (mode floor-no-allreduce)
+    make_forward_no_reduce: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

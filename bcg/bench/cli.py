@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stitched", type=positive_int, default=bcg.VariantPolicy().max_stitched, metavar="N",
                    help="keyed modes (bcg-specialized*): stitched executables kept per graph; a new length tuple "
                    "beyond them updates the oldest in place (default %(default)s)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor parallel over N ranks (llama; Megatron-style shards, NCCL all-reduces on GPUs, "
+                   "gloo on the CPU): relaunches itself through torch.distributed.run (torchrun) unless already "
+                   "under it; each rank writes bench.rank<r>.json/png (default 1)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
@@ -133,6 +137,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, cuda:
     all of them are named, each with its reason.
     """
     forced = ""
+    if cuda and args.tp > 1 and args.tp > torch.cuda.device_count():
+        parser.error(f"argument --tp: {args.tp} ranks need {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
     if cuda is False and getattr(args, "shape", "tiny") != "tiny":
         args.shape = "tiny"
         forced = " (without CUDA the llama workload runs the tiny shape)"
@@ -284,6 +290,11 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
 
 def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
     floor = next((r for r in rows if r["mode"] == "floor"), None)
+    no_reduce = next((r for r in rows if r["mode"] == "floor-no-allreduce"), None)
+    if floor is not None and no_reduce is not None:  # --tp: the all-reduces' share of the floor's time
+        ratio = paired_ratio(no_reduce["samples_ms"], floor["samples_ms"])
+        for row in rows:
+            row["allreduce_share"] = 1 - ratio if ratio is not None else None
     floor_compile = next((r for r in rows if r["mode"] == "floor-compile"), None)
     for row in rows:
         row["ratio_to_floor_compile"] = row["ratio_to_floor_paired"] = row["ratio_to_floor_compile_paired"] = None
@@ -327,6 +338,32 @@ def _messages_above(bar: Any) -> Any:
         logging.captureWarnings(False)
 
 
+def _launch_ranks(tp: int, argv: Sequence[str] | None) -> int:
+    """Run this command again under ``torch.distributed.run`` with ``tp`` processes; its exit code."""
+    import subprocess
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+           "-m", "bcg.bench", *args]
+    _say(f"bcg-bench: --tp {tp}: launching {' '.join(cmd)}")
+    return subprocess.call(cmd)
+
+
+def _init_ranks(tp: int, cuda: bool) -> tuple[int, torch.device]:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on the CPU); (rank, device)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise SystemExit(f"bcg-bench: --tp {tp} but torchrun started {world} processes; pass --nproc-per-node={tp}")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return dist.get_rank(), device
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     parser = build_parser()
@@ -336,7 +373,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
+    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_ranks(args.tp, argv)
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        rank, device = _init_ranks(args.tp, cuda)
+        try:
+            return _run(args, argv, parser, cuda, device, rank)
+        finally:
+            dist.destroy_process_group()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return _run(args, argv, parser, cuda, device, None)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.ArgumentParser, cuda: bool,
+         device: torch.device, rank: int | None) -> int:
+    """One process's run (``rank``: its rank under ``--tp``, else None)."""
     notes: list[str] = []
     skipped: list[dict[str, str]] = []
 
@@ -360,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             note(f"mode {mode} skipped: {reason}")
     workloads: list[str] = []
     for name in args.workload:
-        if WORKLOADS[name].NEEDS_CUDA and not cuda:
+        if rank is not None and name != "llama":
+            skipped.append({"workload": name, "reason": "--tp runs the llama workload only"})
+            note(f"workload {name} skipped: --tp runs the llama workload only")
+        elif WORKLOADS[name].NEEDS_CUDA and not cuda:
             skipped.append({"workload": name, "reason": "needs an NVIDIA GPU"})
             note(f"workload {name} skipped: needs an NVIDIA GPU")
         else:
@@ -368,6 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     iters = args.iters or (GPU_ITERS if cuda else CPU_ITERS)
     sync = sync_fn(device)
     ctx = BuildContext(capture_warmup=args.capture_warmup, max_stitched=args.max_stitched)
+    if rank is not None:
+        # every rank agrees on buckets, capture failures and replay forms; NCCL captures in
+        # thread_local mode (the process group's watchdog thread queries events meanwhile)
+        ctx.ranks = bcg.RankAgreement()
+        ctx.capture_error_mode = "thread_local"
+    suffix = f".rank{rank}" if rank is not None else ""
 
     env = report.environment()
     config: dict[str, Any] = {
@@ -396,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def save() -> None:
         if out_dir is not None:
-            report.write_json(out_dir / "bench.json", env, config, rows,
+            report.write_json(out_dir / f"bench{suffix}.json", env, config, rows,
                               {**extras, "skipped": skipped, "errors": errors, "notes": notes})
 
     plan = [(name, point) for name in workloads for point in WORKLOADS[name].points(args)]
@@ -490,8 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     save()
     if out_dir is not None:
         title = f"{env['gpu']} | torch {env['torch']} | bcg {env['commit']} | {env['date']}"
-        report.write_png(out_dir / "bench.png", rows, title=title)
-        print(f"bcg-bench: wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+        report.write_png(out_dir / f"bench{suffix}.png", rows, title=title)
+        print(f"bcg-bench: wrote {out_dir / f'bench{suffix}.json'} and {out_dir / f'bench{suffix}.png'}")
     sys.stdout.flush()  # before the stderr line, also when both go to one file
     if errors:
         print(f"bcg-bench: {len(errors)} row(s) failed; see 'errors' in bench.json", file=sys.stderr)

@@ -127,7 +127,8 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
     fn = forward_of(case, case.bp, compiled)
     if compiled:
         compiling_call(fn, case.static_args, case.live, torch.cuda.synchronize)
-    graph = bcg.make_graph(fn, *case.static_args, live=case.live, warmup=ctx.capture_warmup)
+    graph = bcg.make_graph(fn, *case.static_args, live=case.live, warmup=ctx.capture_warmup,
+                           capture_error_mode=ctx.capture_error_mode)
     if executor is not None:
         graph.use_executor(executor)
     torch.cuda.synchronize()
@@ -169,6 +170,8 @@ def _bcg_runner(
         example_inputs=case.static_args,
         capture_live=case.live_for if case.live_for is not None else case.live,
         progress=False,
+        ranks=ctx.ranks,
+        capture_error_mode=ctx.capture_error_mode,
         **runner_kwargs,
     )
     t0 = time.perf_counter()
@@ -218,9 +221,9 @@ def _bcg_repeating(case: Case, ctx: BuildContext, kind: str, keyed: bool = True)
                        keyed=keyed, warm=2 * policy.window, variants=policy)
 
 
-def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
-    """The forward with live values frozen, captured as ONE ``torch.cuda.CUDAGraph``."""
-    fn = forward_of(case, case.bp_frozen, compiled)
+def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torch.Tensor] | None = None) -> Built:
+    """The forward with live values frozen (or ``fn``), captured as ONE ``torch.cuda.CUDAGraph``."""
+    fn = fn if fn is not None else forward_of(case, case.bp_frozen, compiled)
     info: dict[str, Any] = {"segments": 1, "breakpoints": 0}
     if compiled:
         info.update(compiling_call(fn, case.static_args, case.live, torch.cuda.synchronize))
@@ -230,7 +233,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool) -> Built:
     g = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.cuda.graph(g, pool=pool, stream=stream):
+    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=ctx.capture_error_mode):
         out = fn(*args)
     capture_s = time.perf_counter() - t0
     from bcg.pool import pool_bytes
@@ -384,3 +387,13 @@ def build_bcg_specialized_never(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_never(case: Case, ctx: BuildContext) -> Built:
     return _bcg_repeating(case, ctx, "never", keyed=False)
+
+
+@register_mode(
+    "floor-no-allreduce",
+    help="--tp: the floor without its all-reduces (wrong values by design: rows give allreduce_share)",
+)
+def build_floor_no_allreduce(case: Case, ctx: BuildContext) -> Built:
+    if case.make_forward_no_reduce is None:
+        raise NotApplicable(f"{case.label}: no all-reduces here (tensor parallel runs only, --tp)")
+    return _floor(case, ctx, compiled=False, fn=case.make_forward_no_reduce(case.bp_frozen))

@@ -20,8 +20,9 @@ from torch.utils import _pytree as pytree
 from bcg.breakpoint import UNSET, live_scope, recording
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
+from bcg.distributed import CaptureVote, RankAgreement
 from bcg.variants import VariantPolicy
-from bcg.errors import BcgError, ReplayError
+from bcg.errors import BcgError, CaptureError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.replay import stream_readers
@@ -103,6 +104,7 @@ class GraphRunner:
         progress: bool = True,
         name: str | None = None,
         variants: VariantPolicy | None = None,
+        ranks: RankAgreement | None = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -141,6 +143,8 @@ class GraphRunner:
         self._sanitize = bool(sanitize)
         self._capture_error_mode = capture_error_mode
         self._variants = variants
+        self._ranks = ranks
+        self._barrier: Callable[[], None] | None = None  # the open bucket's CaptureVote.barrier
         self._progress = progress
         self._user_pool = pool
         self._pool: PoolHandle | None = pool
@@ -262,16 +266,27 @@ class GraphRunner:
                 bar.set_postfix_str(f"bucket {n}", refresh=False)
                 bucket = self._buckets[n]
                 t0 = time.perf_counter()
+                vote = CaptureVote(self._ranks) if self._ranks is not None else None
+                self._barrier = vote.barrier if vote is not None else None
                 try:
                     self._capture_bucket(bucket)
+                    if vote is not None and not vote.finish():
+                        raise CaptureError(f"another rank failed to capture bucket {n}: every rank runs it eagerly")
                 except Exception as exc:
+                    if vote is not None:
+                        vote.fail()
+                    if bucket.graph is not None:
+                        bucket.graph.reset()  # captured here, failed on another rank
                     bucket.failure = f"{type(exc).__name__}: {exc}"
                     bucket.graph = None
+                    bucket.captured = False
                     log.warning(
                         "bcg.GraphRunner(%s): capturing bucket %d failed, calls that would use it run "
                         "eagerly (fallback 'capture_failed'): %s",
                         self.name, n, bucket.failure, exc_info=exc,
                     )
+                finally:
+                    self._barrier = None
                 bucket.capture_s = time.perf_counter() - t0
             bar.close()
             for n in order:
@@ -312,6 +327,7 @@ class GraphRunner:
                 graph, lambda: self._padded_forward(n, views), membership.release,
                 stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
                 ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
+                barrier=self._barrier,
             )
         graph.outputs = membership.release(out)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
@@ -332,6 +348,7 @@ class GraphRunner:
             ownership="pool",
             after_breakpoint=sanitizer.hook(n),
             variants=self._variants,
+            barrier=self._barrier,
         ):
             out = self._padded_forward(n, views)
         return graph, out
@@ -399,27 +416,45 @@ class GraphRunner:
             return size
 
     # -- calls -----------------------------------------------------------------------------------
-    def __call__(self, *inputs: Any, live: Any = UNSET) -> Any:
+    def __call__(self, *inputs: Any, live: Any = UNSET, bucket: int | None = None) -> Any:
         """Run ``forward(*inputs)`` through the graph of the smallest bucket ``>= T``; outputs sliced to ``T``.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints. Outputs are
         views valid until the next call, or copies (see ``copy_outputs`` and :meth:`locked`).
+
+        Arguments:
+            bucket: run this bucket (of the ladder, ``>= T``) instead of picking one.
+
+        With ``ranks=`` (multi-GPU), the bucket is picked for the largest ``T``
+        of all ranks (unless ``bucket`` is given), and the ranks agree on whether
+        to run the breakable form and whether to stitch: one or two all-reduces
+        on the CPU group per call.
         """
         with self._lock.lock:
             if not self._captured:
                 raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
             T = check_inputs(self._inputs, inputs, self.name)
-            n = pick_bucket(self._buckets_list, T)
+            if bucket is not None:
+                if bucket not in self._buckets or bucket < T:
+                    raise ValueError(
+                        f"GraphRunner({self.name}): bucket={bucket} is not a bucket of the ladder "
+                        f"{self._buckets_list} at least T={T}"
+                    )
+                n: int | None = bucket
+                T_all = T
+            else:
+                T_all = self._ranks.max([T])[0] if self._ranks is not None else T
+                n = pick_bucket(self._buckets_list, T_all)
             if n is None:
                 return self._fallback("too_large", inputs, live)
-            bucket = self._buckets[n]
-            if bucket.failure is not None:
+            chosen = self._buckets[n]
+            if chosen.failure is not None:
                 return self._fallback("capture_failed", inputs, live)
-            if self._max_padding_ratio is not None and (n - T) > self._max_padding_ratio * n:
+            if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
                 return self._fallback("padding_waste", inputs, live)
             static, sanitizer = self._static, self._sanitizer
             assert static is not None and sanitizer is not None
-            graph = bucket.graph
+            graph = chosen.graph
             if graph is not None:
                 device = _current_device()
                 if device != self._device.index:
@@ -428,18 +463,19 @@ class GraphRunner:
                         f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
                     )
                 self._lock.serialize_streams(device)
-            static.write(bucket.views, inputs, T, zero_tail=not self._sanitize)
+            static.write(chosen.views, inputs, T, zero_tail=not self._sanitize)
             if self._sanitize:
                 sanitizer.set_rows(T)
             if graph is not None:
-                graph.replay(live)
-                leaves = bucket.leaves
+                breakable, stitch = self._agree_on_replay(graph, live)
+                graph.replay(live, breakable=breakable, stitch=stitch)
+                leaves = chosen.leaves
             else:
                 hook = sanitizer.hook(n)
                 recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
-                leaves, _ = pytree.tree_flatten(self._run_eager(n, bucket.views, live, recorder))
-                bucket.leaves = leaves
-            bucket.replays += 1
+                leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
+                chosen.leaves = leaves
+            chosen.replays += 1
             self._calls += 1
             self._graph_calls += 1
             self._real_rows += T
@@ -448,7 +484,28 @@ class GraphRunner:
             copy = self._copy_outputs
             if copy is None:
                 copy = not self._lock.views_safe()
-            return self._slice(bucket, leaves, T, copy)
+            return self._slice(chosen, leaves, T, copy)
+
+    def _agree_on_replay(self, graph: BreakableGraph, live: Any) -> tuple[bool, bool]:
+        """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
+
+        One all-reduce when the graph is staged or keyed and ranks are given; else the local
+        choice. Stitching is allowed only where every rank would stitch (a rank whose first
+        build of an executable the driver refuses still replays piecewise: the same
+        collectives in the same order).
+        """
+        fallback = graph.fallback
+        keyed = graph.variants is not None or (fallback is not None and fallback.variants is not None)
+        if self._ranks is None or not (graph.staged or keyed):
+            return False, True
+        misfit = graph.would_fall_back(live) is not None
+        no_inline_stitch = not graph.would_stitch(live, breakable=False)
+        no_fallback_stitch = not graph.would_stitch(live, breakable=True)
+        misfit_any, no_inline_any, no_fallback_any = self._ranks.max(
+            [int(misfit), int(no_inline_stitch), int(no_fallback_stitch)]
+        )
+        breakable = bool(misfit_any)
+        return breakable, not (no_fallback_any if breakable else no_inline_any)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[GraphRunner]:

@@ -178,6 +178,11 @@ def check_args(args: argparse.Namespace) -> str | None:
     elif (hidden // heads) % 2:
         return (f"the head dim {hidden_s} / {heads_s} = {hidden // heads} must be even: RoPE rotates pairs of "
                 "dimensions (or pass an even --head-dim)")
+    tp = getattr(args, "tp", 1)
+    intermediate, inter_s = field("intermediate", "--intermediate")
+    for value, text in ((heads, heads_s), (kv_heads, kv_s), (intermediate, inter_s)):
+        if value % tp:
+            return f"--tp {tp} must divide {text}: each rank holds an equal share"
     small = [T for T in args.tokens if T < args.requests]
     if small:
         return (f"--tokens {','.join(map(str, small))} is smaller than --requests {args.requests}: "
@@ -281,8 +286,12 @@ class Regions:
     token count shares one compile.
     """
 
-    def __init__(self, H: int, KV: int, D: int, hidden: int) -> None:
+    def __init__(self, H: int, KV: int, D: int, hidden: int, reduce: Any = None) -> None:
         self.H, self.KV, self.D, self.hidden = H, KV, D, hidden
+        self.reduce = reduce  # tensor parallel: the all-reduce after each row-parallel matmul
+        if reduce is None:
+            def reduce(t: torch.Tensor) -> torch.Tensor:
+                return t
 
         def qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor) -> Any:
             T = x.shape[0]
@@ -294,10 +303,10 @@ class Regions:
 
         def mlp(x: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
-            x = x + F.linear(o.view(x.shape[0], H * D), wo)
+            x = x + reduce(F.linear(o.view(x.shape[0], H * D), wo))
             y = F.rms_norm(x, (hidden,), norm, NORM_EPS)
             gate, up = F.linear(y, w_gate_up).chunk(2, dim=-1)
-            return x + F.linear(F.silu(gate) * up, w_down)
+            return x + reduce(F.linear(F.silu(gate) * up, w_down))
 
         def first(x: torch.Tensor, pos: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                   norm: torch.Tensor, wqkv: torch.Tensor) -> Any:
@@ -318,7 +327,7 @@ class Regions:
 
     def compiled(self, **compile_kwargs: Any) -> Regions:
         """The same regions through ``torch.compile`` (token dimension dynamic: one compile for all T)."""
-        out = Regions(self.H, self.KV, self.D, self.hidden)
+        out = Regions(self.H, self.KV, self.D, self.hidden, self.reduce)
         out.first = _tokens_dynamic(torch.compile(self.first, **compile_kwargs), (0, 1))
         out.middle = _tokens_dynamic(torch.compile(self.middle, **compile_kwargs), (0, 1, 2, 3))
         out.last = _tokens_dynamic(torch.compile(self.last, **compile_kwargs), (0, 1))
@@ -337,16 +346,45 @@ def _tokens_dynamic(fn: Any, token_args: tuple[int, ...]) -> Any:
     return call
 
 
-class LlamaModel:
-    """A Llama-style decoder stack with random weights (no embedding, no LM head)."""
+@dataclass(frozen=True)
+class TensorParallel:
+    """Megatron-style tensor parallelism over the default process group: this rank's share.
 
-    def __init__(self, shape: dict[str, int], device: torch.device, max_pos: int, seed: int = 0) -> None:
+    Column-parallel QKV and gate/up (each rank holds ``heads / size`` query heads,
+    ``kv_heads / size`` KV heads, ``intermediate / size`` columns), row-parallel O and
+    down, each followed by an all-reduce of its partial sums.
+    """
+
+    rank: int
+    size: int
+
+    @staticmethod
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place (NCCL on the current stream: captured in segments)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t
+
+
+class LlamaModel:
+    """A Llama-style decoder stack with random weights (no embedding, no LM head).
+
+    With ``tp`` each rank holds its shard, drawn from its own seed (the sharded
+    model is not the one-GPU model of the same seed; every mode of a run uses the same shards).
+    """
+
+    def __init__(self, shape: dict[str, int], device: torch.device, max_pos: int, seed: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         self.shape = dict(shape)
         self.device = device
         self.dtype = dtype = _dtype(device)
-        h, H, KV, D, I = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"]
+        parts = tp.size if tp is not None else 1
+        h, D = shape["hidden"], shape["head_dim"]
+        H, KV, I = shape["heads"] // parts, shape["kv_heads"] // parts, shape["intermediate"] // parts
         self.H, self.KV, self.D, self.hidden = H, KV, D, h
-        gen = torch.Generator(device=device).manual_seed(seed)
+        self.tp = tp
+        gen = torch.Generator(device=device).manual_seed(seed + (1_000_003 * tp.rank if tp is not None else 0))
 
         def weight(out_f: int, in_f: int) -> torch.Tensor:
             w = torch.randn(out_f, in_f, generator=gen, device=device, dtype=dtype)
@@ -371,7 +409,9 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.regions = Regions(H, KV, D, h)
+        self.regions = Regions(H, KV, D, h, tp.reduce if tp is not None else None)
+        # the same forward without the all-reduces (mode floor-no-allreduce: their share of the time)
+        self.regions_no_reduce = Regions(H, KV, D, h) if tp is not None else None
         self._compiled: Regions | None = None
         self._staged: dict[int, StagedAttention] = {}
 
@@ -647,7 +687,12 @@ def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) 
 
 
 def setup(args: argparse.Namespace, device: torch.device) -> LlamaModel:
-    return LlamaModel(shape(args), device, max_pos=max(*args.tokens, args.ladder_max), seed=args.seed)
+    tp = None
+    if getattr(args, "tp", 1) > 1:
+        import torch.distributed as dist
+
+        tp = TensorParallel(dist.get_rank(), dist.get_world_size())
+    return LlamaModel(shape(args), device, max_pos=max(*args.tokens, args.ladder_max), seed=args.seed, tp=tp)
 
 
 def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, attn: str | None, T: int | None) -> Case:
@@ -669,6 +714,9 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         regions = model.compiled_regions()
         return lambda x, pos: model.forward(x, pos, bp, regions)
 
+    def make_forward_no_reduce(bp: Any) -> Any:
+        return lambda x, pos: model.forward(x, pos, bp, model.regions_no_reduce)
+
     def lengths_for(n: int) -> tuple[int, ...]:  # a runner's batch of n tokens
         return tuple(request_lengths(n, min(args.requests, n), args.seed))
 
@@ -682,13 +730,15 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         live=Batch.build(lengths, device),
         new_live=lambda: Batch.build(lengths, device),
         make_forward=make_forward,
-        make_compiled_forward=make_compiled_forward if compile_usable(device) is None else None,
+        make_compiled_forward=make_compiled_forward if compile_usable(device) is None and model.tp is None else None,
+        make_forward_no_reduce=make_forward_no_reduce if model.tp is not None else None,
         bp=bp,
         bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
         bp_frozen=frozen_attention(attn, lengths, device),
         num_breaks=model.shape["layers"],
         write_inputs=write_inputs,
-        fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths)},
+        fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths),
+                **({"tp": model.tp.size, "rank": model.tp.rank} if model.tp is not None else {})},
         live_for=lambda n: Batch.build(lengths_for(n), device),
     )
     if attn == "unfused":

@@ -1,0 +1,120 @@
+"""Multi-GPU: ranks that agree on what to capture and how to replay.
+
+Under ``torch.distributed`` each rank captures and replays its own graphs;
+collectives inside segments (``dist.all_reduce`` on the capture stream, NCCL)
+are recorded in the graphs and replay in stream order. What bcg must add is
+*agreement*: every rank has to issue the same collectives in the same order,
+or some rank waits forever.
+
+* :class:`RankAgreement` exchanges small integers between the ranks through a
+  CPU (gloo) group, always outside any capture.
+* :class:`CaptureVote` keeps the ranks together while they capture one bucket:
+  a vote before each eager breakpoint (where rank-coupled work such as an
+  ``all_to_all`` with live split sizes really runs) and one at the end. A rank
+  whose capture fails casts its last vote, ``False``; every other rank learns
+  it at its next vote and abandons the capture too, so all ranks mark the
+  bucket failed (and run it eagerly), and no rank is left waiting in a
+  collective. The protocol needs each rank to reach the same sequence of
+  votes while healthy, which holds when they run the same code on the same
+  bucket.
+
+The GPU side (NCCL in segments, ``capture_error_mode``) is documented in the
+README, "Multi-GPU". NVLink multicast is never used: bcg creates no
+multicast objects, and leaves ``NCCL_NVLS_ENABLE`` as the environment sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bcg.errors import CaptureError
+
+log = logging.getLogger("bcg")
+
+
+class RankAgreement:
+    """Agreement between the ranks of a process group, through a CPU (gloo) group.
+
+    Arguments:
+        group: a process group whose backend runs on the CPU (gloo). Default:
+            the default group when its backend is gloo, else a new gloo group
+            over all ranks (``torch.distributed.new_group(backend="gloo")``,
+            a collective: construct the agreement on every rank, in the same order).
+
+    .. warning::
+        Every method is a collective: all ranks of the group must call it, in
+        the same order, outside any CUDA graph capture.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "bcg.RankAgreement needs an initialized torch.distributed process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+            )
+        if group is None:
+            group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the ranks (one all-reduce)."""
+        t = torch.tensor(list(values), dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def all(self, flag: bool) -> bool:
+        """True when ``flag`` is true on every rank."""
+        return self.max([0 if flag else 1])[0] == 0
+
+    def same(self, value: int) -> bool:
+        """True when every rank passed the same integer."""
+        lo, hi = self.max([-value, value])
+        return -lo == hi
+
+
+class CaptureVote:
+    """The votes that keep the ranks together through one bucket's capture (see the module doc).
+
+    Call :meth:`barrier` before each eager breakpoint during the capture (it
+    raises :class:`bcg.CaptureError` once another rank's capture has failed),
+    then exactly one of :meth:`finish` (the capture succeeded here) or
+    :meth:`fail` (it raised here). Both return whether every rank succeeded.
+    """
+
+    def __init__(self, ranks: RankAgreement) -> None:
+        self._ranks = ranks
+        self._done: bool | None = None  # the outcome, once a vote has ended the protocol
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        if self._done is not None:
+            return
+        self.barriers += 1
+        if not self._ranks.all(True):
+            self._done = False
+            raise CaptureError(
+                "another rank's capture of this bucket failed: this rank abandons it too, so that every "
+                "rank runs the bucket eagerly (the failing rank's error says why)"
+            )
+
+    def finish(self) -> bool:
+        """This rank captured the bucket; True when every rank did."""
+        if self._done is None:
+            self._done = self._ranks.all(True)
+        return self._done
+
+    def fail(self) -> bool:
+        """This rank's capture raised (or learnt that another's did): cast the last vote; False."""
+        if self._done is None:
+            self._ranks.all(False)
+            self._done = False
+        return False

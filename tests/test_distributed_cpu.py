@@ -1,0 +1,150 @@
+"""Rank agreement over a gloo world of 2 processes on the CPU: votes, bucket choice, capture failures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bcg
+from bcg.distributed import CaptureVote, RankAgreement
+from tests.ranks import WORLD, run_world
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+# -- bodies (module level: spawned processes import them) ---------------------------------------
+
+
+def _agreement(rank: int) -> Any:
+    ranks = RankAgreement()
+    return ranks.max([rank, 10 - rank]), ranks.all(rank == 0), ranks.all(True), ranks.same(7), ranks.same(rank)
+
+
+def _votes(rank: int, fail_rank: int, fail_after: int, barriers: int) -> Any:
+    """A capture with ``barriers`` eager breakpoints; ``fail_rank`` raises after ``fail_after`` of them."""
+    vote = CaptureVote(RankAgreement())
+    try:
+        for i in range(barriers):
+            if rank == fail_rank and i == fail_after:
+                raise RuntimeError("injected capture failure")
+            vote.barrier()
+        if rank == fail_rank and fail_after >= barriers:
+            raise RuntimeError("injected failure after the last breakpoint")
+        outcome = vote.finish()
+    except Exception as exc:
+        outcome = vote.fail()
+        return outcome, type(exc).__name__
+    return outcome, None
+
+
+class _Net:
+    """A forward with one breakpoint; rank 0 fails to warm up bucket 32 when told to."""
+
+    def __init__(self, rank: int, fail_bucket: int | None) -> None:
+        self.rank = rank
+        self.fail_bucket = fail_bucket
+        self.w = torch.ones(4, 4)
+
+        @bcg.breakpoint(name="scale")
+        def scale(y: torch.Tensor) -> torch.Tensor:
+            return y * float(bcg.live())
+
+        self.scale = scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0 and x.shape[0] == self.fail_bucket:
+            raise RuntimeError(f"injected failure at {x.shape[0]} rows")
+        return self.scale(x @ self.w) + 1
+
+
+def _runner(rank: int, fail_bucket: int | None) -> Any:
+    ranks = RankAgreement()
+    net = _Net(rank, fail_bucket)
+    runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
+                             capture_live=2.0, progress=False, ranks=ranks)
+    runner.capture()
+    failed = sorted(runner.failed_buckets)
+    outs = []
+    for T in ([10, 20] if rank == 0 else [12, 9]):  # rank 0's 20 rows pick bucket 32 on both ranks
+        x = torch.randn(T, 4)
+        got = runner(x, live=3.0)
+        with bcg.live_scope(3.0):
+            want = net.scale(x @ net.w) + 1
+        outs.append(bool(torch.equal(got, want)) and tuple(got.shape) == (T, 4))
+    st = runner.stats()
+    return failed, outs, st["replays"], st["fallbacks"]
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+
+def test_rank_agreement_reduces_across_ranks() -> None:
+    for rank, (mx, only0, every, same7, same_rank) in enumerate(run_world(_agreement)):
+        assert mx == [1, 10]
+        assert only0 is False and every is True
+        assert same7 is True and same_rank is False
+
+
+@pytest.mark.parametrize(
+    "fail_rank,fail_after,barriers",
+    [(-1, 0, 3), (0, 1, 3), (1, 0, 3), (0, 3, 3), (0, 0, 0)],
+    ids=["all-succeed", "rank0-mid", "rank1-first", "rank0-after-last", "no-breakpoints"],
+)
+def test_capture_votes_end_together_when_a_rank_fails(fail_rank: int, fail_after: int, barriers: int) -> None:
+    import functools
+
+    results = run_world(functools.partial(_votes, fail_rank=fail_rank, fail_after=fail_after, barriers=barriers))
+    outcomes = [ok for ok, _ in results]
+    if fail_rank < 0:
+        assert outcomes == [True, True] and all(err is None for _, err in results)
+    else:
+        assert outcomes == [False, False]  # every rank falls back, none hangs
+        healthy = results[1 - fail_rank][1]
+        assert healthy in (None, "CaptureError")
+
+
+def test_runner_ranks_pick_one_bucket_and_share_a_capture_failure() -> None:
+    import functools
+
+    results = run_world(functools.partial(_runner, fail_bucket=32))
+    for rank, (failed, outs, replays, fallbacks) in enumerate(results):
+        assert failed == [32], (rank, failed)  # rank 0 failed it; rank 1 agreed
+        assert outs == [True, True], rank
+        # call 1: max T 20 -> bucket 32 (failed: eager on both ranks); call 2: max T 12 -> bucket 16
+        assert fallbacks["capture_failed"] == 1 and replays[16] == 1 and replays[32] == 0, (rank, replays, fallbacks)
+
+
+def test_runner_ranks_without_failures() -> None:
+    import functools
+
+    results = run_world(functools.partial(_runner, fail_bucket=None))
+    for failed, outs, replays, _ in results:
+        assert failed == [] and outs == [True, True]
+        assert replays == {16: 1, 32: 1}  # both ranks ran bucket 32 for the first call
+
+
+def test_bench_tp2_relaunches_through_torchrun_and_writes_a_file_per_rank(tmp_path: Any) -> None:
+    import json
+
+    from bcg.bench import cli
+
+    rc = cli.main(["--tp", "2", "--workload", "llama", "--attn", "flash,unfused", "--tokens", "16", "--iters", "2",
+                   "--warmup", "1", "--no-progress", "--ladder-max", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    for rank in range(WORLD):
+        doc = json.loads((tmp_path / f"bench.rank{rank}.json").read_text())
+        assert doc["errors"] == []
+        rows = doc["rows"]
+        assert {(r["attn"], r["mode"]) for r in rows} == {(a, m) for a in ("flash", "unfused") for m in ("eager", "bcg-eager")}
+        for row in rows:
+            assert row["tp"] == 2 and row["rank"] == rank and row["rel_err"] == 0.0
+        assert (tmp_path / f"bench.rank{rank}.png").stat().st_size > 1000
+
+
+def test_tp_refuses_shapes_it_cannot_shard() -> None:
+    from bcg.bench import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--tp", "3", "--shape", "tiny"], cuda=False)  # 4 heads, 2 KV heads

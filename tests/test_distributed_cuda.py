@@ -1,0 +1,198 @@
+"""Two GPUs, NCCL: tensor-parallel segments, collectives in breakpoints, ranks that agree, no hangs."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import bcg
+from tests.ranks import run_world
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+SHAPE = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "intermediate": 512, "head_dim": 32}
+
+
+def _lengths(rng: random.Random, T: int) -> tuple[int, ...]:
+    r = rng.randint(1, min(4, T))
+    cuts = sorted(rng.sample(range(1, T), r - 1))
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, T]))
+
+
+def _tp_model(rank: int) -> Any:
+    import torch.distributed as dist
+
+    from bcg.bench.workloads import llama
+
+    device = torch.device("cuda", rank)
+    model = llama.LlamaModel(SHAPE, device, max_pos=256, seed=0, tp=llama.TensorParallel(rank, dist.get_world_size()))
+    return llama, model, device
+
+
+def _tp_runner_matches_eager(rank: int, attn: str) -> Any:
+    """A TP llama (all-reduces inside segments) through a GraphRunner with ranks, against eager TP."""
+    llama, model, device = _tp_model(rank)
+    bp = llama.BREAKPOINTS[attn]
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.forward(x, pos, bp)
+
+    def live_for(n: int) -> Any:
+        return llama.Batch.build(tuple(llama.request_lengths(n, min(4, n), 0)), device)
+
+    x0 = torch.zeros(128, model.hidden, device=device, dtype=model.dtype)
+    pos0 = torch.zeros(128, dtype=torch.long, device=device)
+    ranks = bcg.RankAgreement()
+    options: dict[str, Any] = dict(buckets=[64, 128], example_inputs=(x0, pos0), capture_live=live_for,
+                                   progress=False, ranks=ranks)
+    runner = bcg.GraphRunner(forward, capture_error_mode="thread_local", **options).capture()
+    reference = bcg.GraphRunner(forward, mode="eager", **options).capture()  # eager TP on the padded inputs
+    rng = random.Random(1)  # the same batches on both ranks
+    same = []
+    for _ in range(20):
+        T = rng.randint(8, 128)
+        lengths = _lengths(rng, T)
+        gen = torch.Generator(device=device).manual_seed(rng.randrange(2**31))
+        x = torch.randn(T, model.hidden, generator=gen, device=device, dtype=model.dtype)
+        pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+        got = runner(x, pos, live=llama.Batch.build(lengths, device)).clone()
+        want = reference(x, pos, live=llama.Batch.build(lengths, device))
+        same.append(bool(torch.equal(got, want)))
+    st = runner.stats()
+    runner.reset()
+    return same, st["failed_buckets"], st["replays"]
+
+
+def _all_to_all(rank: int) -> Any:
+    """A breakpoint running all_to_all_single with split sizes from bcg.live(); an all-reduce in a segment."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    N, D = 64, 16
+
+    @bcg.breakpoint(name="a2a", mutates=("out",))
+    def a2a(inp: torch.Tensor, out: torch.Tensor) -> None:
+        m = bcg.live()  # m[i][j]: rows rank i sends to rank j
+        send = [m[rank][j] for j in range(2)]
+        recv = [m[i][rank] for i in range(2)]
+        out.zero_()
+        dist.all_to_all_single(out[: sum(recv)], inp[: sum(send)], recv, send)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        inp = x * 2 + rank
+        out = torch.empty_like(inp)
+        a2a(inp, out)
+        y = out * 3
+        dist.all_reduce(y)
+        return y + 1
+
+    rng = random.Random(2)
+
+    def matrix() -> list[list[int]]:
+        return [[rng.randint(0, N // 2) for _ in range(2)] for _ in range(2)]
+
+    x = torch.randn(N, D, device=device)
+    graph = bcg.make_graph(forward, x, live=matrix(), capture_error_mode="thread_local")
+    same = []
+    for _ in range(20):
+        m = matrix()
+        x.copy_(torch.randn(N, D, device=device))
+        got = graph.replay(live=m).clone()
+        with bcg.live_scope(m):
+            want = forward(x.clone())
+        same.append(bool(torch.equal(got, want)))
+    graph.reset()
+    return same
+
+
+def _failure_on_one_rank(rank: int) -> Any:
+    """Rank 0's capture of bucket 64 syncs the host inside a segment: both ranks run bucket 64 eagerly."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    w = torch.randn(32, 32, device=device)
+
+    @bcg.breakpoint(name="scale")
+    def scale(y: torch.Tensor) -> torch.Tensor:
+        return y * float(bcg.live())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        dist.all_reduce(y)
+        if rank == 0 and x.shape[0] == 64 and torch.cuda.is_current_stream_capturing():
+            y.sum().item()  # a host sync: this rank's capture fails
+        y = scale(y)
+        dist.all_reduce(y)
+        return scale(y) + 1
+
+    runner = bcg.GraphRunner(forward, buckets=[32, 64], example_inputs=(torch.zeros(64, 32, device=device),),
+                             capture_live=0.5, progress=False, ranks=bcg.RankAgreement(),
+                             capture_error_mode="thread_local")
+    runner.capture()
+    same = []
+    for T in (50, 20, 64, 30):
+        x = torch.randn(T, 32, device=device)
+        got = runner(x, live=0.25).clone()
+        n = 32 if T <= 32 else T  # bucket 32 replays on zero-padded rows; bucket 64 ran eagerly on the real ones
+        padded = torch.cat([x, x.new_zeros(n - T, 32)])
+        with bcg.live_scope(0.25), torch.no_grad():
+            want = forward(padded)[:T]
+        same.append(bool(torch.equal(got, want)))
+    st = runner.stats()
+    runner.reset()
+    return sorted(st["failed_buckets"]), same, st["fallbacks"]["capture_failed"], st["replays"][32]
+
+
+def _many_replays(rank: int) -> Any:
+    """1000 replays of a TP llama bucket: no hang, no memory growth."""
+    llama, model, device = _tp_model(rank)
+    lengths = (20, 44)
+    x = torch.randn(64, model.hidden, device=device, dtype=model.dtype)
+    pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+    batch = llama.Batch.build(lengths, device)
+    graph = bcg.make_graph(lambda x, pos: model.forward(x, pos, llama.attention_flash), x, pos, live=batch,
+                           capture_error_mode="thread_local")
+    for _ in range(10):
+        graph.replay(live=batch)
+    torch.cuda.synchronize()
+    before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    for _ in range(1000):
+        graph.replay(live=batch)
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    graph.reset()
+    return before, after
+
+
+@pytest.mark.parametrize("attn", ["flash", "unfused"])
+def test_tp_llama_through_a_runner_is_bit_identical_to_eager_tp(attn: str) -> None:
+    for rank, (same, failed, replays) in enumerate(run_world(functools.partial(_tp_runner_matches_eager, attn=attn),
+                                                             backend="nccl", timeout_s=300)):
+        assert same == [True] * 20, (rank, same)
+        assert failed == {} and sum(replays.values()) == 20
+
+
+def test_an_all_to_all_breakpoint_with_random_splits() -> None:
+    for rank, same in enumerate(run_world(_all_to_all, backend="nccl", timeout_s=180)):
+        assert same == [True] * 20, (rank, same)
+
+
+def test_a_capture_failure_on_one_rank_makes_both_run_the_bucket_eagerly() -> None:
+    for rank, (failed, same, eager_calls, graph_calls) in enumerate(
+        run_world(_failure_on_one_rank, backend="nccl", timeout_s=180)
+    ):
+        assert failed == [64], (rank, failed)
+        assert same == [True] * 4, (rank, same)
+        assert eager_calls == 2 and graph_calls == 2, rank  # T 50, 64 eagerly; T 20, 30 from bucket 32
+
+
+def test_a_thousand_replays_neither_hang_nor_grow_memory() -> None:
+    for rank, (before, after) in enumerate(run_world(_many_replays, backend="nccl", timeout_s=240)):
+        assert after == before, (rank, before, after)
