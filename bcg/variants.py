@@ -633,12 +633,11 @@ class StepVariants:
         write (all of them without ``mutates=``).
         """
         step = self.step
-        if variant.uses_rng:
-            self._launch(variant)
-            return
         written = step.spec.mutated_tensors(step.args, step.kwargs)
-        saved = [t.clone() for t in written]
+        saved = [t.clone() for t in written] if not variant.uses_rng else []
         self._launch(variant)
+        if variant.uses_rng:  # (learnt at its first launch) nothing to compare: other draws
+            return
         results = step.bridges.tensors() if step.bridges is not None else []
         got = [t.clone() for t in results + written]
         for t, s in zip(written, saved):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import random
 from typing import Any
 
@@ -171,28 +170,44 @@ def _many_replays(rank: int) -> Any:
     return before, after
 
 
+def _everything(rank: int) -> dict[str, Any]:
+    """Every body above, in one world (one spawn and one NCCL set-up for all the tests)."""
+    return {
+        "tp_flash": _tp_runner_matches_eager(rank, "flash"),
+        "tp_unfused": _tp_runner_matches_eager(rank, "unfused"),
+        "all_to_all": _all_to_all(rank),
+        "failure": _failure_on_one_rank(rank),
+        "many": _many_replays(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict[str, Any]]:
+    return run_world(_everything, backend="nccl", timeout_s=420)
+
+
 @pytest.mark.parametrize("attn", ["flash", "unfused"])
-def test_tp_llama_through_a_runner_is_bit_identical_to_eager_tp(attn: str) -> None:
-    for rank, (same, failed, replays) in enumerate(run_world(functools.partial(_tp_runner_matches_eager, attn=attn),
-                                                             backend="nccl", timeout_s=300)):
+def test_tp_llama_through_a_runner_is_bit_identical_to_eager_tp(world: list[dict[str, Any]], attn: str) -> None:
+    for rank, result in enumerate(world):
+        same, failed, replays = result[f"tp_{attn}"]
         assert same == [True] * 20, (rank, same)
         assert failed == {} and sum(replays.values()) == 20
 
 
-def test_an_all_to_all_breakpoint_with_random_splits() -> None:
-    for rank, same in enumerate(run_world(_all_to_all, backend="nccl", timeout_s=180)):
-        assert same == [True] * 20, (rank, same)
+def test_an_all_to_all_breakpoint_with_random_splits(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        assert result["all_to_all"] == [True] * 20, rank
 
 
-def test_a_capture_failure_on_one_rank_makes_both_run_the_bucket_eagerly() -> None:
-    for rank, (failed, same, eager_calls, graph_calls) in enumerate(
-        run_world(_failure_on_one_rank, backend="nccl", timeout_s=180)
-    ):
+def test_a_capture_failure_on_one_rank_makes_both_run_the_bucket_eagerly(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        failed, same, eager_calls, graph_calls = result["failure"]
         assert failed == [64], (rank, failed)
         assert same == [True] * 4, (rank, same)
         assert eager_calls == 2 and graph_calls == 2, rank  # T 50, 64 eagerly; T 20, 30 from bucket 32
 
 
-def test_a_thousand_replays_neither_hang_nor_grow_memory() -> None:
-    for rank, (before, after) in enumerate(run_world(_many_replays, backend="nccl", timeout_s=240)):
+def test_a_thousand_replays_neither_hang_nor_grow_memory(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        before, after = result["many"]
         assert after == before, (rank, before, after)

@@ -315,7 +315,7 @@ def test_low_hit_rate_stops_capturing() -> None:
         assert torch.equal(graph.replay(live=Meta(lengths)), eager(model, x.clone(), Meta(lengths)))
     st = graph.stats().variants
     bp = st["breakpoints"]["unfused"]
-    assert not bp["capturing"] and "repeated" in bp["stopped"]
+    assert not bp["capturing"] and "two windows" in bp["stopped"]
     assert bp["captures"] == 15  # two low windows of 8, judged at the 16th replay
     assert st["entries"] == 0  # their variants, never used, were freed when capturing stopped
     assert "plain breakpoint" in bp["stopped"]  # and the steps went back to plain calls

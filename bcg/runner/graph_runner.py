@@ -81,6 +81,11 @@ class GraphRunner:
     (``other.pool()``). ``mode``: ``"graph"`` or ``"eager"``. ``progress``:
     show a tqdm bar while capturing. ``variants``: a :class:`bcg.VariantPolicy`
     for keyed breakpoints (each bucket's graph keeps its own variants).
+    ``ranks``: a :class:`bcg.RankAgreement` (multi-GPU): the ranks vote through
+    each bucket's capture, so a failure on one rank fails the bucket on all;
+    each call picks the bucket of the largest ``T`` of all ranks and one form
+    of replay for all (see :meth:`__call__`). Every rank must make the same
+    calls in the same order.
 
     ``docs/runner.md`` says how a call runs: fallbacks, padded-row
     sanitizing, output lifetimes and thread safety.
