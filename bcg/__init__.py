@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from bcg.breakpoint import breakpoint, graph_break
-from bcg.capture import capture
+from bcg.capture import capture, switchable
 from bcg.debug import GuardError
 from bcg.errors import (
     BcgError,
@@ -60,6 +60,7 @@ __all__ = [
     "VerifyReport",
     "breakpoint",
     "capture",
+    "switchable",
     "graph_break",
     "graph_pool_handle",
     "live",

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -137,6 +137,29 @@ def capture_stream(device: int | None = None) -> torch.cuda.Stream:
     return _PROCESS.stream(torch.cuda.current_device() if device is None else device)
 
 
+@contextlib.contextmanager
+def switchable(label: str) -> Iterator[None]:
+    """Make the CUDA work of the block, where a capture records it, the node group ``label``:
+    :meth:`BreakableGraph.set_enabled` turns the group off (and on) for the replays that follow.
+
+    Outside a capture (eager runs, warm-ups) the block simply runs. Use it for
+    work that some replays do not need and that no enabled node depends on
+    when it is off (the runner's padded-row zeroing, when nothing is padded).
+
+    .. warning::
+        Only kernel, memcpy and memset nodes can be disabled. A block that
+        records other nodes (events, child graphs), or in which a segment ends
+        (a breakpoint, ``graph_break()``), makes ``label`` unswitchable for the
+        whole graph: its nodes always run and ``set_enabled`` returns False.
+    """
+    session = ACTIVE.get()
+    if isinstance(session, CaptureSession):
+        with session.switchable(label):
+            yield
+    else:
+        yield
+
+
 @dataclass(frozen=True)
 class _Fork:
     """Side-stream work a segment left unjoined, which bcg joined at the segment's end."""
@@ -182,6 +205,8 @@ class CaptureSession(Recorder):
         self._segment_index = 0
         self._breakpoint_index = 0
         self._generator = torch.cuda.default_generators[device]
+        self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
+        self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
 
     @property
     def segment_label(self) -> str:  # type: ignore[override]
@@ -197,6 +222,7 @@ class CaptureSession(Recorder):
             _reset_rng_capture_state(self.stream)  # torch opened it before failing
             raise
         self._current = graph
+        self._switch_nodes = {}
 
     def close_segment(self, before: str = "the end of the capture") -> None:
         """End the open segment; keep it (instantiated, uploaded, run once) unless empty."""
@@ -227,6 +253,7 @@ class CaptureSession(Recorder):
             nodes=nodes,
             kernel_nodes=counts["kernel"],
             uses_rng=self._generator.get_offset() != offset,
+            switchable={label: tuple(nodes) for label, nodes in self._switch_nodes.items()},
         )
         self._segment_index += 1
         self.plan.append(step)
@@ -248,6 +275,25 @@ class CaptureSession(Recorder):
         with torch.cuda.stream(self.replay_stream):
             graph.replay()
         self.stream.wait_stream(self.replay_stream)
+
+    @contextlib.contextmanager
+    def switchable(self, label: str) -> Iterator[None]:
+        """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
+        graph = self._current
+        before = {int(n) for n in cudart.capture_nodes(self.stream_handle)} if graph is not None else set()
+        yield
+        if graph is None or self._current is not graph:
+            self.unswitchable.add(label)
+            log.debug("bcg: switchable(%r) ran outside one segment: its nodes always run", label)
+            return
+        added = [n for n in cudart.capture_nodes(self.stream_handle) if int(n) not in before]
+        kinds = {cudart.node_type(n) for n in added}
+        if not kinds <= cudart.SWITCHABLE_NODE_TYPES:
+            self.unswitchable.add(label)
+            log.debug("bcg: switchable(%r) recorded %s nodes, which CUDA cannot disable: its nodes always run",
+                      label, ", ".join(sorted(kinds - cudart.SWITCHABLE_NODE_TYPES)))
+            return
+        self._switch_nodes.setdefault(label, []).extend(added)
 
     # -- Recorder -----------------------------------------------------------------------------
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -493,6 +539,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                         held_bytes=self._held_bytes(pool_resident, session),
                         stager=session.stager or None,
                         variant_policy=self._variants,
+                        unswitchable=frozenset(session.unswitchable),
                     )
                 )
             finally:

@@ -121,10 +121,18 @@ def capture_node_count(stream: int) -> int:
     return len(graph_nodes(graph))
 
 
-def node_type_counts(graph: int) -> Counter[str]:
-    """How many nodes of each type (``"kernel"``, ``"memcpy"``, ...) ``graph`` holds."""
+def capture_nodes(stream: int) -> list[Any]:
+    """The nodes recorded so far by the capture active on ``stream`` (none when it is not capturing)."""
+    status, _, graph, _ = capture_info(stream)
+    if status != "active" or not graph:
+        return []
+    return graph_nodes(graph)
+
+
+@functools.cache
+def _node_type_names() -> dict[Any, str]:
     rt = runtime()
-    names = {
+    return {
         rt.cudaGraphNodeType.cudaGraphNodeTypeKernel: "kernel",
         rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy: "memcpy",
         rt.cudaGraphNodeType.cudaGraphNodeTypeMemset: "memset",
@@ -134,10 +142,27 @@ def node_type_counts(graph: int) -> Counter[str]:
         rt.cudaGraphNodeType.cudaGraphNodeTypeWaitEvent: "wait_event",
         rt.cudaGraphNodeType.cudaGraphNodeTypeEventRecord: "event_record",
     }
-    counts: Counter[str] = Counter()
-    for node in graph_nodes(graph):
-        counts[names.get(check(rt.cudaGraphNodeGetType(node)), "other")] += 1
-    return counts
+
+
+def node_type(node: Any) -> str:
+    """``"kernel"``, ``"memcpy"``, ``"memset"``, ... (``"other"`` for the rest)."""
+    return _node_type_names().get(check(runtime().cudaGraphNodeGetType(node)), "other")
+
+
+def node_type_counts(graph: int) -> Counter[str]:
+    """How many nodes of each type (``"kernel"``, ``"memcpy"``, ...) ``graph`` holds."""
+    return Counter(node_type(node) for node in graph_nodes(graph))
+
+
+SWITCHABLE_NODE_TYPES = frozenset({"kernel", "memcpy", "memset"})
+"""The node types ``cudaGraphNodeSetEnabled`` can disable."""
+
+
+def set_node_enabled(graph_exec: int, node: Any, enabled: bool) -> None:
+    """Enable or disable ``node`` (of the graph ``graph_exec`` was instantiated from) for the
+    launches of ``graph_exec`` that follow (``cudaGraphNodeSetEnabled``; launches already
+    queued are not affected). A disabled node runs as an empty node."""
+    check(runtime().cudaGraphNodeSetEnabled(graph_exec, node, int(enabled)))
 
 
 def end_capture(stream: int) -> None:
@@ -165,6 +190,31 @@ def dot_print(graph: int, path: str) -> None:
     """Write ``graph`` as a DOT file (``cudaGraphDebugDotPrint``, verbose)."""
     rt = runtime()
     check(rt.cudaGraphDebugDotPrint(graph, path.encode(), rt.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose))
+
+
+@functools.cache
+def driver() -> ModuleType:
+    """The ``cuda.bindings.driver`` module (installed with ``cuda.bindings.runtime``)."""
+    runtime()  # the clear error when cuda-python is missing
+    from cuda.bindings import driver as drv
+
+    return drv
+
+
+def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
+    """``cuMemsetD32Async``: set ``count`` 32-bit words at device address ``ptr`` to ``value``
+    on ``stream``. The value travels in the call, so no host buffer can change under a queued copy."""
+    drv = driver()
+    err = drv.cuMemsetD32Async(ptr, value, count, stream)[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD32Async failed: {err!r}")
+
+
+def copy_device_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` of ``nbytes`` between device addresses on ``stream`` (a few us less
+    host time than ``Tensor.copy_``, for the runner's per-call input copies)."""
+    rt = runtime()
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream))
 
 
 def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -81,6 +81,7 @@ class BreakableGraph:
         self.variants: VariantCache | None = None  # keyed breakpoints' variants (see bcg.variants)
         self._inline_replays = 0
         self._fallback_replays: dict[str, int] = {}
+        self._disabled: set[str] = set()  # switchable node groups turned off
 
     # -- filled by capture / make_graph ----------------------------------------------
     def install(self, parts: GraphParts) -> None:
@@ -93,6 +94,7 @@ class BreakableGraph:
             raise ReplayError("this BreakableGraph already holds a capture: call graph.reset() before installing another")
         self.hold(parts.lease)
         self._inline_replays, self._fallback_replays = 0, {}
+        self._disabled = set()
         self._parts = parts
         self._plan = tuple(parts.plan)
         self._was_reset = False
@@ -288,6 +290,42 @@ class BreakableGraph:
             reset_live(token)
         return self.outputs
 
+    def set_enabled(self, label: str, enabled: bool) -> bool:
+        """Run (``True``) or skip (``False``) the node group ``label`` in the replays that follow.
+
+        The group is the work captured inside :func:`bcg.switchable`
+        blocks with that label, in every segment (and in the breakable form's).
+        A skipped node runs as an empty node (``cudaGraphNodeSetEnabled``).
+        Switching costs about 1 us of host time per node; asking for the state
+        the group is already in costs nothing. Replays already queued are not
+        affected.
+
+        Returns whether every node of the group is now in the asked state:
+        False when ``label`` is unswitchable (see ``switchable``), whose nodes
+        always run. Stitched launches (keyed breakpoints) always run the group.
+
+        Raises:
+            ReplayError: called while this graph replays (from a breakpoint).
+        """
+        done = self.fallback.set_enabled(label, enabled) if self.fallback is not None else True
+        if (label not in self._disabled) == enabled:
+            return done
+        if self._replaying:
+            raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
+        if label in self._parts.unswitchable:
+            return False
+        for step in self.segments:
+            nodes = step.switchable.get(label)
+            if nodes:
+                graph_exec = step.exec_handle
+                for node in nodes:
+                    cudart.set_node_enabled(graph_exec, node, enabled)
+        if enabled:
+            self._disabled.discard(label)
+        else:
+            self._disabled.add(label)
+        return done
+
     def would_fall_back(self, live: Any) -> str | None:
         """Why a replay with ``live`` would run the breakable form (staged metadata that does not fit); else None."""
         stager = self._parts.stager
@@ -375,6 +413,7 @@ class BreakableGraph:
         if fallback is not None:
             fallback.reset()
         self._inline_replays, self._fallback_replays = 0, {}
+        self._disabled = set()
         self.outputs = None
         self._was_reset = True
         if graph_mode and torch.cuda.is_available():

@@ -35,6 +35,8 @@ class SegmentStep:
     nodes: int
     kernel_nodes: int | None
     uses_rng: bool = False
+    #: nodes recorded inside ``bcg.capture.switchable(label)`` blocks, per label
+    switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def launch(self) -> Callable[[], None]:
@@ -143,7 +145,8 @@ class GraphParts:
     replay. ``held_bytes``: pool bytes the plan keeps alive itself.
     ``stager``: the staged breakpoints captured inline (asked and prepared
     before each launch). ``variant_policy``: the bounds of the keyed
-    breakpoints' variants (None: the defaults).
+    breakpoints' variants (None: the defaults). ``unswitchable``: labels of
+    ``switchable`` blocks that cannot be disabled (their nodes always run).
     """
 
     plan: Sequence[Step]
@@ -158,6 +161,7 @@ class GraphParts:
     held_bytes: int = 0
     stager: Stager | None = None
     variant_policy: VariantPolicy | None = None
+    unswitchable: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

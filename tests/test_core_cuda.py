@@ -384,6 +384,82 @@ def test_after_breakpoint_hook_is_captured_into_the_next_segment() -> None:
         torch.testing.assert_close(y[n:], torch.ones_like(y[n:]), rtol=0, atol=0)
 
 
+def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executors() -> None:
+    """Work inside ``switchable`` blocks, in two segments: disabled, replays skip it; enabled
+    again, they run it. The rest of the graph runs either way, with either executor."""
+    @bcg.breakpoint
+    def bump(t: torch.Tensor) -> None:
+        t.add_(bcg.live())
+
+    x = torch.randn(256, device="cuda")
+    extra = torch.zeros(256, device="cuda")
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        h = a * 2
+        with bcg.switchable("extra"):
+            extra.add_(1)  # a kernel
+            extra[:8].zero_()  # a memset or a kernel: both can be disabled
+        bump(h)
+        with bcg.switchable("extra"):
+            h.mul_(3)
+        return h + 1
+
+    graph, y = _capture(fn, x, live=0.0)
+    for executor in ("python", "native") if bcg.native.available() else ("python",):
+        graph.use_executor(executor)
+        for enabled in (True, False, False, True, False, True):
+            assert graph.set_enabled("extra", enabled)
+            x.copy_(torch.randn(256, device="cuda"))
+            live = float(random.randint(1, 9))
+            before = extra.clone()
+            graph.replay(live=live)
+            h = x * 2 + live
+            if enabled:
+                torch.testing.assert_close(y, h * 3 + 1, rtol=0, atol=0)
+                expected = before + 1
+                expected[:8] = 0
+                torch.testing.assert_close(extra, expected, rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(y, h + 1, rtol=0, atol=0)
+                torch.testing.assert_close(extra, before, rtol=0, atol=0)
+    assert graph.set_enabled("no such group", False)  # an empty group is trivially off
+    graph.reset()
+
+
+def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_runs() -> None:
+    @bcg.breakpoint
+    def bp(t: torch.Tensor) -> None:
+        t.add_(1)
+
+    x = torch.randn(64, device="cuda")
+    counter = torch.zeros((), device="cuda")
+
+    def spanning(a: torch.Tensor) -> torch.Tensor:
+        h = a + 0
+        with bcg.switchable("s"):
+            counter.add_(1)
+            bp(h)  # the segment ends inside the block
+        return h * 2
+
+    event = torch.cuda.Event(external=True)  # outlives the graphs whose nodes record it
+
+    def with_event(a: torch.Tensor) -> torch.Tensor:
+        h = a + 0
+        with bcg.switchable("s"):
+            counter.add_(1)
+            event.record()  # an event-record node
+        return h * 2
+
+    for fn in (spanning, with_event):
+        graph, y = _capture(fn, x)
+        assert not graph.set_enabled("s", False)  # refused: its nodes always run
+        before = counter.item()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert counter.item() == before + 1
+        graph.reset()
+
+
 def test_stats_count_kernel_nodes_per_segment() -> None:
     @bcg.breakpoint
     def bp(t: torch.Tensor) -> None:

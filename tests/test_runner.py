@@ -288,6 +288,39 @@ def test_decode_style_batch_bucketing_with_pad_dim_1() -> None:
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pad_dim", [0, 1])
+def test_inputs_built_in_the_runner_buffers_give_the_same_outputs(pad_dim: int) -> None:
+    """``input_buffers(T)``: shared buffers (pad_dim 0) and per-bucket ones (pad_dim 1, a
+    leading dim of 2), a value input passed through; outputs as with the caller's tensors."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(x: torch.Tensor, flag: str) -> torch.Tensor:
+        assert flag == "on"
+        return lin(x) * 2
+
+    shape = (5, HIDDEN) if pad_dim == 0 else (2, 5, HIDDEN)
+    runner = _runner(forward, [4, 8, 16], (torch.randn(shape), "on"), pad_dim=pad_dim)
+    with pytest.raises(bcg.ReplayError, match="not captured"):
+        runner.input_buffers(4)
+    runner.capture()
+    with pytest.raises(ValueError, match="no bucket holds T=17"):
+        runner.input_buffers(17)
+    gen = torch.Generator().manual_seed(4)
+    for T in (16, 3, 8, 11, 1):
+        size = list(shape)
+        size[pad_dim] = T
+        x = torch.randn(size, generator=gen)
+        buf, flag = runner.input_buffers(T)
+        assert flag == "on" and buf.shape == x.shape
+        buf.copy_(x)
+        y = runner(buf, flag, live=None).clone()
+        with torch.no_grad():
+            expected = forward(x, "on")
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(runner(x, "on", live=None), y)
+
+
 def test_outputs_are_sliced_only_along_dims_that_grow_with_the_bucket() -> None:
     const = torch.arange(16.0)
 

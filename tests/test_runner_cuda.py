@@ -92,6 +92,37 @@ def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: b
     assert runner.graph(16).num_breakpoints == 2
 
 
+def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls on ``input_buffers(T)`` copy nothing and match eager; calls on the caller's own
+    tensors copy each padded input once (one ``cudaMemcpyAsync``) and match too."""
+    from bcg.runner import inputs
+
+    copies: list[int] = []
+    copy = inputs.cudart.copy_device_to_device
+
+    def spy(dst: int, src: int, nbytes: int, stream: int) -> None:
+        copies.append(nbytes)
+        copy(dst, src, nbytes, stream)
+
+    monkeypatch.setattr(inputs.cudart, "copy_device_to_device", spy)
+    model = _model()
+    buckets = [16, 64]
+    runner = _runner(model, buckets)
+    gen = torch.Generator().manual_seed(6)
+    for T in (16, 5, 64, 40, 1):
+        x, pos, live = _batch(T, gen)
+        bx, bpos = runner.input_buffers(T)
+        bx.copy_(x)
+        bpos.copy_(pos)
+        del copies[:]
+        y = runner(bx, bpos, live=live).clone()
+        assert copies == [], f"T={T}: the call copied inputs that were already in place"
+        assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T)))
+        y_own = runner(x, pos, live=live)
+        assert len(copies) == 2
+        assert torch.equal(y_own, y)
+
+
 def test_decode_style_batches_padded_along_dim_1() -> None:
     """Bucketing over the batch size of ``[2, B, H]`` inputs (pad_dim=1, per-bucket buffers)."""
     torch.manual_seed(1)
@@ -244,6 +275,41 @@ def test_no_nan_anywhere_with_huge_padding_and_poisoned_memory(which: str) -> No
             # and attention reads only the real rows, so the real rows are exact either way.
             assert torch.equal(y_unsafe, expected)
     del poison, unsafe_poison
+
+
+def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``T`` equal to the bucket disables the padded-row zeroing; the next padded call enables it
+    again, and its padded rows are finite under poisoned memory (the model's sums over tokens
+    would spread any NaN left there into the real rows)."""
+    from bcg.runner.padding import PADDING
+
+    asked: list[tuple[bool, bool]] = []
+    set_enabled = bcg.BreakableGraph.set_enabled
+
+    def spy(graph: bcg.BreakableGraph, label: str, enabled: bool) -> bool:
+        done = set_enabled(graph, label, enabled)
+        if label == PADDING:
+            asked.append((enabled, done))
+        return done
+
+    monkeypatch.setattr(bcg.BreakableGraph, "set_enabled", spy)
+    stream = torch.cuda.Stream()
+    pool = bcg.graph_pool_handle()
+    poison = _poison_pool(pool, stream)
+    model = _Leaky()
+    runner = _runner(model, [64, 256], pool=pool, stream=stream)
+    gen = torch.Generator().manual_seed(5)
+    for T in (64, 63, 64, 64, 1, 256, 200, 256, 64, 17):
+        _poison_default_allocator()
+        x, pos, live = _batch(T, gen)
+        y = runner(x, pos, live=live)
+        bucket = runner.bucket_for(T)
+        assert asked[-1] == (T < bucket, True), f"T={T}: the zeroing was not switched as asked"
+        assert torch.isfinite(runner.bucket_outputs(bucket)).all(), f"NaN/inf in bucket {bucket} at T={T}"
+        with bcg.live_scope(live), torch.no_grad():
+            expected = model(x, pos)
+        torch.testing.assert_close(y.float(), expected.float(), rtol=0.1, atol=0.1)
+    del poison
 
 
 # -- fallbacks and guards ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from bcg.graph import BreakableGraph
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.replay import stream_readers
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
-from bcg.runner.padding import CrossingRecorder, PaddingSanitizer, scaling_dims
+from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
 
 log = logging.getLogger("bcg")
@@ -53,6 +53,9 @@ class _Bucket:
     captured: bool = False
     capture_s: float = 0.0
     replays: int = 0
+    sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
+
+_SLICED_KEPT = 64  # distinct T per bucket whose output views are kept
 
 
 class GraphRunner:
@@ -426,6 +429,9 @@ class GraphRunner:
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints. Outputs are
         views valid until the next call, or copies (see ``copy_outputs`` and :meth:`locked`).
+        Calls with the same ``T`` and bucket return the same view objects (do not
+        change their metadata in place, e.g. ``unsqueeze_``). A call with no
+        padded row (``T`` equal to the bucket) skips the in-graph zeroing.
 
         Arguments:
             bucket: run this bucket (of the ladder, ``>= T``) instead of picking one.
@@ -460,6 +466,7 @@ class GraphRunner:
             static, sanitizer = self._static, self._sanitizer
             assert static is not None and sanitizer is not None
             graph = chosen.graph
+            stream: int | None = None
             if graph is not None:
                 device = _current_device()
                 if device != self._device.index:
@@ -467,11 +474,13 @@ class GraphRunner:
                         f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
                         f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
                     )
-                self._lock.serialize_streams(device)
-            static.write(chosen.views, inputs, T, zero_tail=not self._sanitize)
+                stream = self._lock.serialize_streams(device)
+            static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
             if self._sanitize:
-                sanitizer.set_rows(T)
+                sanitizer.set_rows(T, stream)  # always: a stitched launch runs the zeroing too
             if graph is not None:
+                if self._sanitize:
+                    graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
                 breakable, stitch = self._agree_on_replay(graph, live)
                 graph.replay(live, breakable=breakable, stitch=stitch)
                 leaves = chosen.leaves
@@ -489,7 +498,7 @@ class GraphRunner:
             copy = self._copy_outputs
             if copy is None:
                 copy = not self._lock.views_safe()
-            return self._slice(chosen, leaves, T, copy)
+            return self._slice(chosen, leaves, T, copy, keep=graph is not None)
 
     def _agree_on_replay(self, graph: BreakableGraph, live: Any) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
@@ -499,9 +508,11 @@ class GraphRunner:
         build of an executable the driver refuses still replays piecewise: the same
         collectives in the same order).
         """
+        if self._ranks is None:
+            return False, True
         fallback = graph.fallback
         keyed = graph.variants is not None or (fallback is not None and fallback.variants is not None)
-        if self._ranks is None or not (graph.staged or keyed):
+        if not (graph.staged or keyed):
             return False, True
         misfit = graph.would_fall_back(live) is not None
         no_inline_stitch = not graph.would_stitch(live, breakable=False)
@@ -533,20 +544,26 @@ class GraphRunner:
             finally:
                 guard.reader = previous
 
-    def _slice(self, bucket: _Bucket, leaves: list[Any], T: int, copy: bool) -> Any:
+    def _slice(self, bucket: _Bucket, leaves: list[Any], T: int, copy: bool, keep: bool) -> Any:
+        """The outputs' first ``T`` rows: views (kept per ``T`` when ``keep``: the graph's static
+        outputs), or copies."""
+        views = bucket.sliced.get(T) if keep else None
+        if views is None:
+            views = []
+            for leaf, dims in zip(leaves, bucket.slice_dims):
+                for d in dims:
+                    leaf = leaf.narrow(d, 0, T)
+                views.append(leaf)
+            if keep:
+                if len(bucket.sliced) >= _SLICED_KEPT:
+                    bucket.sliced.clear()
+                bucket.sliced[T] = views
+        if copy:
+            views = [v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
+                     for v in views]
         if bucket.single:
-            t = leaves[0]
-            for d in bucket.slice_dims[0]:
-                t = t.narrow(d, 0, T)
-            return t.clone(memory_format=torch.contiguous_format) if copy else t
-        out = []
-        for leaf, dims in zip(leaves, bucket.slice_dims):
-            for d in dims:
-                leaf = leaf.narrow(d, 0, T)
-            if copy and isinstance(leaf, torch.Tensor):
-                leaf = leaf.clone(memory_format=torch.contiguous_format)
-            out.append(leaf)
-        return pytree.tree_unflatten(out, bucket.spec)
+            return views[0]
+        return pytree.tree_unflatten(list(views), bucket.spec)
 
     def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any) -> Any:
         self._fallbacks[reason] += 1
@@ -588,6 +605,33 @@ class GraphRunner:
         if b is None or b.graph is None:
             raise KeyError(f"no captured graph for bucket {bucket}")
         return b.graph
+
+    def input_buffers(self, T: int) -> tuple[Any, ...]:
+        """Inputs for a call with ``T`` rows that the call does not copy: the first ``T`` rows of
+        the static input buffers of ``T``'s bucket (by-reference and value inputs as given).
+
+        Fill them in place (``buf.copy_(ids)``, or write the batch there as it is
+        built) and pass them as the call's inputs: the call then skips the
+        input copies, as a serving engine that builds its batch in persistent
+        buffers does. Any other tensors are copied in as usual.
+
+        .. warning::
+            The buffers are the graphs' inputs: the next call reads what they
+            hold then, and a call with more rows, or of another bucket, may
+            overwrite them. Write them right before the call that uses them.
+            ``reset()`` replaces them.
+        """
+        with self._lock.lock:
+            static = self._static
+            if not self._captured or static is None:
+                raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
+            n = pick_bucket(self._buckets_list, T)
+            if T < 1 or n is None:
+                raise ValueError(f"GraphRunner({self.name}): no bucket holds T={T} rows (ladder {self._buckets_list})")
+            views = static.views(n)
+            return tuple(
+                views[s.index].narrow(s.pad_dim, 0, T) if s.kind == PADDED else views[s.index] for s in static.specs
+            )
 
     def bucket_outputs(self, bucket: int) -> Any:
         """The full, unsliced outputs of ``bucket``'s last run (padded rows included); valid until the next call."""

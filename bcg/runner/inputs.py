@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from bcg import cudart
 from bcg.bridge import same_value
 
 PADDED, BY_REFERENCE, VALUE = "padded", "by_reference", "value"
@@ -187,11 +188,23 @@ class StaticInputs:
             view.narrow(s.pad_dim, 0, rows).copy_(s.example.narrow(s.pad_dim, 0, rows))
         return views
 
-    def write(self, views: list[Any], inputs: tuple[Any, ...], T: int, zero_tail: bool) -> None:
-        """Copy a call's ``T`` rows into the bucket's ``views``; ``zero_tail``: zero the rows past ``T``."""
+    def write(self, views: list[Any], inputs: tuple[Any, ...], T: int, zero_tail: bool, stream: int | None = None) -> None:
+        """Copy a call's ``T`` rows into the bucket's ``views``; ``zero_tail``: zero the rows past ``T``.
+
+        An input that is the view's own first ``T`` rows is not copied. With
+        ``stream`` (the raw current stream of the buffers' CUDA device), a
+        contiguous input bound for a shared buffer (whose first ``T`` rows are
+        contiguous) is copied with one ``cudaMemcpyAsync`` there; others with ``copy_``.
+        """
         for s in self.padded:
             view = views[s.index]
-            view.narrow(s.pad_dim, 0, T).copy_(inputs[s.index])
+            x = inputs[s.index]
+            if x.data_ptr() == view.data_ptr() and x.stride() == view.stride():
+                pass  # the call passed the buffer's own first T rows (GraphRunner.input_buffers)
+            elif stream is not None and s.index in self._buffers and x.is_contiguous():
+                cudart.copy_device_to_device(view.data_ptr(), x.data_ptr(), x.numel() * x.element_size(), stream)
+            else:
+                view.narrow(s.pad_dim, 0, T).copy_(x)
             n = view.shape[s.pad_dim]
             if zero_tail and T < n:
                 view.narrow(s.pad_dim, T, n - T).zero_()

@@ -38,13 +38,15 @@ class PoolCallLock:
                      "except inside `with runner.locked():` (or pass copy_outputs=False/True)")
         return not self.shared or self.reader == me
 
-    def serialize_streams(self, device: int) -> None:
-        """Order this replay after the previous one of any runner sharing the pool, if on another stream."""
+    def serialize_streams(self, device: int) -> int:
+        """Order this replay after the previous one of any runner sharing the pool, if on another
+        stream; return the current raw stream (the replay's)."""
         current = _current_raw_stream(device)
         last = self.last_stream
         if last is not None and last != current:
             torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
         self.last_stream = current
+        return current
 
 
 class PoolLocks:
