@@ -186,15 +186,23 @@ def _bcg_runner(
     # Inputs built in the runner's own buffers, as an engine builds its batch in persistent
     # buffers (and as the floor replays on its static inputs): calls copy no input.
     args = runner.input_buffers(runner.buckets[0])
-    for buf, x in zip(args, case.static_args):
-        if isinstance(buf, torch.Tensor) and buf is not x:
-            buf.copy_(x)
+
+    def load_inputs() -> None:  # the case's inputs into the runner's buffers
+        for buf, x in zip(args, case.static_args):
+            if isinstance(buf, torch.Tensor) and buf is not x:
+                buf.copy_(x)
+
+    load_inputs()
     torch.cuda.synchronize()
     stats = graph.stats()
     fresh_live = live_stream if live_stream is not None else case.fresh_live
 
     def run() -> torch.Tensor:
         return runner(*args, live=fresh_live())
+
+    def check() -> torch.Tensor:  # on the case's current inputs (fresh ones, when checked)
+        load_inputs()
+        return runner(*args, live=case.live if live_stream is not None else fresh_live())
 
     for _ in range(warm):
         run()
@@ -205,7 +213,7 @@ def _bcg_runner(
         info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=runner.reset,
         measure=_replay_measures(run, runner.stats, staged=staged, keyed=keyed),
-        check=(lambda: runner(*args, live=case.live)) if live_stream is not None else None,
+        check=check,
     )
 
 

@@ -47,8 +47,9 @@ class Built:
     # called right before the timed replays; the function it returns is called right after
     # them (before the check replay) and gives extra row fields measured over them
     measure: Callable[[], Callable[[], dict[str, Any]]] | None = None
-    # the replay ``rel_err`` is measured on, on the case's own live metadata (None: ``run``;
-    # modes whose ``run`` draws other metadata each call need it)
+    # the replay ``rel_err`` is measured on, on the case's current inputs and its own live
+    # metadata (None: ``run``; modes whose ``run`` draws other metadata each call, or reads
+    # inputs from buffers of its own, need it)
     check: Callable[[], torch.Tensor] | None = None
 
 
