@@ -236,6 +236,14 @@ class CaptureSession(Recorder):
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph.capture_end()
         self._current = None
+        if self._barrier is not None:
+            try:
+                # Ranks agree before the segment's first launch, which may run collectives:
+                # a rank whose capture failed launches nothing, so no other rank may either.
+                self._barrier()
+            except BaseException:
+                self.lease.keep(graph)  # never launched; freed with the capture's lease
+                raise
         handle = int(graph.raw_cuda_graph())
         counts = cudart.node_type_counts(handle)
         nodes = sum(counts.values())
@@ -298,8 +306,6 @@ class CaptureSession(Recorder):
     # -- Recorder -----------------------------------------------------------------------------
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close_segment(f"breakpoint {spec.name!r}")
-        if self._barrier is not None:
-            self._barrier()  # ranks re-align before work that really runs (it may hold collectives)
         try:
             result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
         except BaseException as exc:
@@ -398,8 +404,9 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             ``GraphRunner`` capture one).
         variants: a :class:`bcg.VariantPolicy`, the bounds of keyed
             breakpoints' variants and stitched executables (default: its defaults).
-        barrier: called before each breakpoint runs eagerly during the
-            capture (not inline ones); raising abandons the capture. Multi-GPU:
+        barrier: called at the end of each segment, before its first launch
+            (which may run collectives) and the breakpoint after it; raising
+            abandons the capture, with that segment never launched. Multi-GPU:
             :meth:`bcg.distributed.CaptureVote.barrier` keeps ranks together.
 
     Constraints:

@@ -9,8 +9,9 @@ or some rank waits forever.
 * :class:`RankAgreement` exchanges small integers between the ranks through a
   CPU (gloo) group, always outside any capture.
 * :class:`CaptureVote` keeps the ranks together while they capture one bucket:
-  a vote before each eager breakpoint (where rank-coupled work such as an
-  ``all_to_all`` with live split sizes really runs) and one at the end. A rank
+  a vote at the end of each segment, before its first launch (segments may hold
+  collectives, and the eager breakpoint after it rank-coupled work such as an
+  ``all_to_all`` with live split sizes), and one at the end. A rank
   whose capture fails casts its last vote, ``False``; every other rank learns
   it at its next vote and abandons the capture too, so all ranks mark the
   bucket failed (and run it eagerly), and no rank is left waiting in a
@@ -84,7 +85,7 @@ class RankAgreement:
 class CaptureVote:
     """The votes that keep the ranks together through one bucket's capture (see the module doc).
 
-    Call :meth:`barrier` before each eager breakpoint during the capture (it
+    Call :meth:`barrier` at each segment's end, before its first launch (it
     raises :class:`bcg.CaptureError` once another rank's capture has failed),
     then exactly one of :meth:`finish` (the capture succeeded here) or
     :meth:`fail` (it raised here). Both return whether every rank succeeded.

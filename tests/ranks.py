@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +50,9 @@ def run_world(body: Callable[[int], Any], backend: str = "gloo", timeout_s: floa
         procs = [ctx.Process(target=_worker, args=(r, port, body, out_dir, backend)) for r in range(WORLD)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout_s
         for p in procs:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
