@@ -236,14 +236,6 @@ class CaptureSession(Recorder):
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph.capture_end()
         self._current = None
-        if self._barrier is not None:
-            try:
-                # Ranks agree before the segment's first launch, which may run collectives:
-                # a rank whose capture failed launches nothing, so no other rank may either.
-                self._barrier()
-            except BaseException:
-                self.lease.keep(graph)  # never launched; freed with the capture's lease
-                raise
         handle = int(graph.raw_cuda_graph())
         counts = cudart.node_type_counts(handle)
         nodes = sum(counts.values())
@@ -251,8 +243,14 @@ class CaptureSession(Recorder):
             # Consecutive breakpoints: no launch. Kept (not reset) until the graph is,
             # since resetting drops a count on the pool (see PoolLease).
             self.lease.keep(graph)
+            self._vote()
             return
-        graph.instantiate()
+        try:
+            graph.instantiate()
+            self._vote()
+        except BaseException:
+            self.lease.keep(graph)  # never launched; freed with the capture's lease
+            raise
         offset = self._generator.get_offset()
         self._capture_run(graph)
         step = SegmentStep(
@@ -266,6 +264,13 @@ class CaptureSession(Recorder):
         self._segment_index += 1
         self.plan.append(step)
         log.debug("segment %d: %d nodes (%d kernels)", step.index, nodes, step.kernel_nodes)
+
+    def _vote(self) -> None:
+        """The ranks' vote at a segment's end (``barrier``), right before its first launch, which
+        may run collectives: once a rank's capture failed, no rank launches anything more.
+        Every segment votes, empty ones too, so healthy ranks cast the same votes."""
+        if self._barrier is not None:
+            self._barrier()
 
     def _capture_run(self, graph: torch.cuda.CUDAGraph) -> None:
         """The segment's first launch, so that the breakpoint after it reads real data.
@@ -288,6 +293,7 @@ class CaptureSession(Recorder):
     def switchable(self, label: str) -> Iterator[None]:
         """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
         graph = self._current
+        # Lists the open segment's nodes twice per block: capture-time cost only.
         before = {int(n) for n in cudart.capture_nodes(self.stream_handle)} if graph is not None else set()
         yield
         if graph is None or self._current is not graph:

@@ -113,14 +113,6 @@ def join_forked_work(stream: int) -> int:
     return len(missing)
 
 
-def capture_node_count(stream: int) -> int:
-    """Nodes recorded so far by the capture active on ``stream``."""
-    status, _, graph, _ = capture_info(stream)
-    if status != "active" or not graph:
-        return 0
-    return len(graph_nodes(graph))
-
-
 def capture_nodes(stream: int) -> list[Any]:
     """The nodes recorded so far by the capture active on ``stream`` (none when it is not capturing)."""
     status, _, graph, _ = capture_info(stream)
@@ -206,6 +198,12 @@ def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     on ``stream``. The value travels in the call, so no host buffer can change under a queued copy."""
     drv = driver()
     err = drv.cuMemsetD32Async(ptr, value, count, stream)[0]
+    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        # A thread whose first CUDA call this is has no current context (driver calls do not
+        # set one up): make the current device's primary context current, as the runtime would.
+        rt = runtime()
+        check(rt.cudaSetDevice(check(rt.cudaGetDevice())))
+        err = drv.cuMemsetD32Async(ptr, value, count, stream)[0]
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemsetD32Async failed: {err!r}")
 

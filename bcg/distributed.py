@@ -94,12 +94,10 @@ class CaptureVote:
     def __init__(self, ranks: RankAgreement) -> None:
         self._ranks = ranks
         self._done: bool | None = None  # the outcome, once a vote has ended the protocol
-        self.barriers = 0
 
     def barrier(self) -> None:
         if self._done is not None:
             return
-        self.barriers += 1
         if not self._ranks.all(True):
             self._done = False
             raise CaptureError(

@@ -302,16 +302,20 @@ class BreakableGraph:
 
         Returns whether every node of the group is now in the asked state:
         False when ``label`` is unswitchable (see ``switchable``), whose nodes
-        always run. Stitched launches (keyed breakpoints) always run the group.
+        always run, or when asked to skip on a graph without CUDA graphs (eager
+        mode, not captured). Stitched launches (keyed breakpoints) always run
+        the group.
 
         Raises:
             ReplayError: called while this graph replays (from a breakpoint).
         """
+        if self._replaying:
+            raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
+        if self._executor is None:
+            return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
         done = self.fallback.set_enabled(label, enabled) if self.fallback is not None else True
         if (label not in self._disabled) == enabled:
             return done
-        if self._replaying:
-            raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
         if label in self._parts.unswitchable:
             return False
         for step in self.segments:

@@ -107,9 +107,10 @@ class PoolLease:
             self._graphs[0].capture_begin(pool=pool)
             self._graphs[0].capture_end()
 
-    def keep(self, empty: torch.cuda.CUDAGraph) -> None:
-        """Hold an empty segment (its pool count) until :meth:`release`."""
-        self._graphs.append(empty)
+    def keep(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Hold a captured segment that is never launched (an empty one, or one whose ranks
+        voted to abandon the capture), with its pool count, until :meth:`release`."""
+        self._graphs.append(graph)
 
     @contextlib.contextmanager
     def allocating(self) -> Iterator[None]:

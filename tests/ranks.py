@@ -57,6 +57,7 @@ def run_world(body: Callable[[int], Any], backend: str = "gloo", timeout_s: floa
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join()
         assert not hung, f"ranks {hung} still running after {timeout_s} s: a rank waits in a collective"
         results = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(WORLD)]
     for r, res in enumerate(results):

@@ -76,6 +76,27 @@ def test_graph_break_outside_capture_does_nothing() -> None:
     assert torch.equal(fn(x), unbroken(x))
 
 
+def test_switchable_work_always_runs_without_cuda_graphs() -> None:
+    """Eager mode (and plain calls) run a ``switchable`` block every time; ``set_enabled`` says
+    so by refusing to skip it."""
+    counter = torch.zeros(())
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        with bcg.switchable("extra"):
+            counter.add_(1)
+        return t * 2
+
+    x = torch.randn(8)
+    assert torch.equal(fn(x), x * 2) and counter.item() == 1  # a plain call
+    graph = bcg.make_graph(fn, x, mode="eager")
+    assert graph.set_enabled("extra", True)
+    assert not graph.set_enabled("extra", False)
+    before = counter.item()
+    out = graph.replay()
+    assert torch.equal(out, x * 2) and counter.item() == before + 1
+    assert not bcg.BreakableGraph().set_enabled("extra", False)  # not captured
+
+
 def test_mutates_names_the_written_arguments() -> None:
     @bcg.breakpoint(mutates=("out",))
     def f(a: torch.Tensor, out: torch.Tensor) -> None:

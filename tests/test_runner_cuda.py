@@ -298,6 +298,9 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     poison = _poison_pool(pool, stream)
     model = _Leaky()
     runner = _runner(model, [64, 256], pool=pool, stream=stream)
+    for n in (64, 256):  # the zeroing was recorded as the group, in a segment after each breakpoint
+        per_segment = [len(s.switchable.get(PADDING, ())) for s in runner.graph(n).segments]
+        assert sum(per_segment) >= 4 and sum(k > 0 for k in per_segment) >= 2, (n, per_segment)
     gen = torch.Generator().manual_seed(5)
     for T in (64, 63, 64, 64, 1, 256, 200, 256, 64, 17):
         _poison_default_allocator()

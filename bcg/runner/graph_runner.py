@@ -429,9 +429,10 @@ class GraphRunner:
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints. Outputs are
         views valid until the next call, or copies (see ``copy_outputs`` and :meth:`locked`).
-        Calls with the same ``T`` and bucket return the same view objects (do not
-        change their metadata in place, e.g. ``unsqueeze_``). A call with no
-        padded row (``T`` equal to the bucket) skips the in-graph zeroing.
+        Calls with the same ``T`` and bucket return the same view objects, as
+        first made (their autograd and inference-mode state too): do not change
+        their metadata in place (e.g. ``unsqueeze_``). A call with no padded
+        row (``T`` equal to the bucket) skips the in-graph zeroing.
 
         Arguments:
             bucket: run this bucket (of the ladder, ``>= T``) instead of picking one.
@@ -563,7 +564,7 @@ class GraphRunner:
                      for v in views]
         if bucket.single:
             return views[0]
-        return pytree.tree_unflatten(list(views), bucket.spec)
+        return pytree.tree_unflatten(views, bucket.spec)
 
     def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any) -> Any:
         self._fallbacks[reason] += 1

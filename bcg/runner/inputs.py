@@ -194,14 +194,20 @@ class StaticInputs:
         An input that is the view's own first ``T`` rows is not copied. With
         ``stream`` (the raw current stream of the buffers' CUDA device), a
         contiguous input bound for a shared buffer (whose first ``T`` rows are
-        contiguous) is copied with one ``cudaMemcpyAsync`` there; others with ``copy_``.
+        contiguous), and held elsewhere, is copied with one ``cudaMemcpyAsync``
+        there; others with ``copy_``.
         """
         for s in self.padded:
             view = views[s.index]
             x = inputs[s.index]
             if x.data_ptr() == view.data_ptr() and x.stride() == view.stride():
                 pass  # the call passed the buffer's own first T rows (GraphRunner.input_buffers)
-            elif stream is not None and s.index in self._buffers and x.is_contiguous():
+            elif (
+                stream is not None
+                and s.index in self._buffers
+                and x.is_contiguous()
+                and x.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+            ):  # (``copy_`` refuses an input that overlaps the buffer; a memcpy would not)
                 cudart.copy_device_to_device(view.data_ptr(), x.data_ptr(), x.numel() * x.element_size(), stream)
             else:
                 view.narrow(s.pad_dim, 0, T).copy_(x)

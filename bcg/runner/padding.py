@@ -8,6 +8,11 @@ each bucket's eager warm-up (:meth:`PaddingSanitizer.record`): every bridge,
 and every other crossing tensor the run allocated (never weights, caches,
 static or by-reference inputs), along the dims that equal the bucket size and
 grow with it (a shape seen at another size).
+
+All of that zeroing is the :data:`PADDING` node group (``bcg.switchable``): a
+call whose ``T`` equals its bucket has no padded row, and the runner switches
+the group off for it (its nodes run as empty nodes), and on again for the next
+call that pads.
 """
 
 from __future__ import annotations
