@@ -259,7 +259,7 @@ class CaptureSession(Recorder):
             nodes=nodes,
             kernel_nodes=counts["kernel"],
             uses_rng=self._generator.get_offset() != offset,
-            switchable={label: tuple(nodes) for label, nodes in self._switch_nodes.items()},
+            switchable={label: tuple(group) for label, group in self._switch_nodes.items()},
         )
         self._segment_index += 1
         self.plan.append(step)

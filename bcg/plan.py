@@ -35,7 +35,7 @@ class SegmentStep:
     nodes: int
     kernel_nodes: int | None
     uses_rng: bool = False
-    #: nodes recorded inside ``bcg.capture.switchable(label)`` blocks, per label
+    #: nodes recorded inside ``bcg.switchable(label)`` blocks, per label
     switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property

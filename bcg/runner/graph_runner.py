@@ -55,6 +55,7 @@ class _Bucket:
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
 
+
 _SLICED_KEPT = 64  # distinct T per bucket whose output views are kept
 
 
