@@ -215,12 +215,7 @@ class CaptureSession(Recorder):
     # -- segments ---------------------------------------------------------------------------
     def open_segment(self) -> None:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        try:
-            graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
-        except BaseException:
-            cudart.end_capture(self.stream_handle)
-            _reset_rng_capture_state(self.stream)  # torch opened it before failing
-            raise
+        _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
         self._current = graph
         self._switch_nodes = {}
 
@@ -232,9 +227,7 @@ class CaptureSession(Recorder):
         if joined:
             self.forks.append(_Fork(self._segment_index, before, joined))
             log.debug("segment %d: joined %d node(s) forked to side streams before %s", self._segment_index, joined, before)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            graph.capture_end()
+        _end_capture(graph)
         self._current = None
         handle = int(graph.raw_cuda_graph())
         counts = cudart.node_type_counts(handle)
@@ -711,9 +704,8 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
             if cudart.capture_status(handle) != "active":
                 cudart.end_capture(handle)
                 cudart.begin_capture(handle)
-            with torch.cuda.stream(stream), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                graph.capture_end()
+            with torch.cuda.stream(stream):
+                _end_capture(graph)
             return
         except Exception:
             # torch's capture_end ended an invalidated capture, then raised: the stream is
@@ -728,6 +720,24 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
                 torch._C._cuda_endAllocateToPool(device, pool)
                 torch._C._cuda_releasePool(device, pool)
             _reset_rng_capture_state(stream)
+
+
+def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
+    """``graph.capture_begin`` on ``stream`` (the current stream); if it fails, no capture is left
+    open on ``stream`` and torch's RNG capture state is closed."""
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
+    except BaseException:
+        cudart.end_capture(int(stream.cuda_stream))
+        _reset_rng_capture_state(stream)  # torch opened it before failing
+        raise
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """``graph.capture_end``, without torch's warning for an empty graph (consecutive breakpoints)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        graph.capture_end()
 
 
 def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int) -> tuple[torch.cuda.CUDAGraph, int]:
@@ -747,17 +757,10 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int) -> tuple[
         _PROCESS.pause_gc()  # see _ProcessCaptureState
         try:
             with torch.cuda.stream(stream):
-                try:
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                except BaseException:
-                    cudart.end_capture(int(stream.cuda_stream))
-                    _reset_rng_capture_state(stream)
-                    raise
+                _begin_capture(graph, pool, "thread_local", stream)
                 try:
                     fn()
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                        graph.capture_end()
+                    _end_capture(graph)
                 except BaseException:
                     unwind_capture(graph, stream, device, pool)
                     graph.reset()
