@@ -1,14 +1,17 @@
 """Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime``).
 
 Only what the capture machinery needs: capture status, joining forked work,
-node counts, uploads and DOT dumps. Handles are plain ``int`` values (what
-``torch.cuda.Stream.cuda_stream`` and ``CUDAGraph.raw_cuda_graph()`` return).
+node counts, uploads, edited copies of graphs, launches and DOT dumps; and
+the cheapest readers of torch's current device and stream. Handles are plain
+``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
+``CUDAGraph.raw_cuda_graph()`` return).
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -27,6 +30,17 @@ def runtime() -> ModuleType:
             "pip install -e '.[cuda]' in a checkout, or pip install 'breakpoint-cuda-graphs[cuda]'"
         ) from exc
     return rt
+
+
+def stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
+    """``(current device, current raw stream of a device)``, the cheapest way torch offers."""
+    import torch  # (lazily, like cuda-python: this module loads without either)
+
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is not None and get_stream is not None:
+        return get_device, get_stream
+    return torch.cuda.current_device, lambda device: int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def check(result: Any) -> Any:
@@ -268,6 +282,46 @@ def exec_update(graph_exec: int, graph: int) -> bool:
 def launch(graph_exec: int, stream: int) -> None:
     """``cudaGraphLaunch(graph_exec, stream)``."""
     check(runtime().cudaGraphLaunch(graph_exec, stream))
+
+
+# -- editing a graph's copy (trimmed executables: bcg.trim) -------------------------------------
+
+
+def graph_clone(graph: int) -> int:
+    """``cudaGraphClone``: a copy of ``graph`` (its nodes found with :func:`find_in_clone`)."""
+    return int(check(runtime().cudaGraphClone(graph)))
+
+
+def find_in_clone(node: Any, clone: int) -> Any:
+    """The node of ``clone`` that copies ``node`` of the graph it was cloned from."""
+    return check(runtime().cudaGraphNodeFindInClone(node, clone))
+
+
+def graph_edges(graph: int) -> list[tuple[Any, Any]]:
+    """``graph``'s dependency edges as ``(from, to)`` node pairs."""
+    rt = runtime()
+    n = check(rt.cudaGraphGetEdges(graph, 0))[-1]
+    if n == 0:
+        return []
+    out = check(rt.cudaGraphGetEdges(graph, n))
+    return list(zip(list(out[0])[:n], list(out[1])[:n]))
+
+
+def add_edges(graph: int, edges: list[tuple[Any, Any]]) -> None:
+    """Add dependency edges ``(from, to)`` (default edge data: a full dependency) to ``graph``."""
+    if not edges:
+        return
+    rt = runtime()
+    src, dst = [a for a, _ in edges], [b for _, b in edges]
+    try:  # CUDA 13 bindings: (graph, from, to, edge data, count)
+        check(rt.cudaGraphAddDependencies(graph, src, dst, None, len(edges)))
+    except TypeError:  # CUDA 12 bindings: (graph, from, to, count)
+        check(rt.cudaGraphAddDependencies(graph, src, dst, len(edges)))
+
+
+def destroy_node(node: Any) -> None:
+    """Remove ``node`` and its edges from its (not instantiated) graph."""
+    check(runtime().cudaGraphDestroyNode(node))
 
 
 def graph_destroy(graph: int) -> None:

@@ -17,7 +17,8 @@ from bcg.errors import ReplayError
 from bcg.breakpoint import UNSET, reset_live, set_live
 from bcg.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step
-from bcg.replay import Executor, make_executor, stream_readers
+from bcg.cudart import stream_readers
+from bcg.replay import Executor, make_executor
 from bcg.variants import VariantCache, VariantPolicy
 
 _current_device, _current_stream = stream_readers()
@@ -81,7 +82,8 @@ class BreakableGraph:
         self.variants: VariantCache | None = None  # keyed breakpoints' variants (see bcg.variants)
         self._inline_replays = 0
         self._fallback_replays: dict[str, int] = {}
-        self._disabled: set[str] = set()  # switchable node groups turned off
+        self._disabled: frozenset[str] = frozenset()  # switchable node groups turned off
+        self._executors: dict[frozenset[str], Executor] = {}  # one per set of groups turned off
 
     # -- filled by capture / make_graph ----------------------------------------------
     def install(self, parts: GraphParts) -> None:
@@ -94,7 +96,7 @@ class BreakableGraph:
             raise ReplayError("this BreakableGraph already holds a capture: call graph.reset() before installing another")
         self.hold(parts.lease)
         self._inline_replays, self._fallback_replays = 0, {}
-        self._disabled = set()
+        self._disabled, self._executors = frozenset(), {}
         self._parts = parts
         self._plan = tuple(parts.plan)
         self._was_reset = False
@@ -104,11 +106,15 @@ class BreakableGraph:
             self.variants = VariantCache(self._plan, parts.device if graph_mode else None,
                                          parts.variant_policy or VariantPolicy(), self._rebuild_executor)
         self._executor = make_executor(self._plan) if graph_mode else None
-
-    def _rebuild_executor(self) -> None:
-        """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind."""
         if self._executor is not None:
-            self._executor = make_executor(self._plan, self._executor.name)
+            self._executors[self._disabled] = self._executor
+
+    def _rebuild_executor(self, name: str | None = None) -> None:
+        """Rebuild the executor from the plan (keyed steps retired to plain calls): of kind ``name``
+        (None: the same kind); executors built for other sets of skipped groups are dropped."""
+        if self._executor is not None:
+            self._executor = make_executor(self._plan, name or self._executor.name)
+            self._executors = {self._disabled: self._executor}
 
     def set_fallback(self, graph: BreakableGraph) -> None:
         """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.
@@ -151,6 +157,7 @@ class BreakableGraph:
         if self._executor is None:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
         self._executor = make_executor(self._plan, name)
+        self._executors = {self._disabled: self._executor}
 
     @property
     def executor(self) -> str:
@@ -295,10 +302,13 @@ class BreakableGraph:
 
         The group is the work captured inside :func:`bcg.switchable`
         blocks with that label, in every segment (and in the breakable form's).
-        A skipped node runs as an empty node (``cudaGraphNodeSetEnabled``).
-        Switching costs about 1 us of host time per node; asking for the state
-        the group is already in costs nothing. Replays already queued are not
-        affected.
+        A segment that skips groups replays an executable built without their
+        nodes (see :mod:`bcg.trim`): the first time a set of groups is skipped,
+        it is instantiated and uploaded (milliseconds), then kept until
+        ``reset()``; later switches cost a few us. A segment that uses RNG
+        (torch replays it) disables the nodes instead, about 1 us of host time
+        per node, and each then runs as an empty node. Replays already queued
+        are not affected.
 
         Returns whether every node of the group is now in the asked state:
         False when ``label`` is unswitchable (see ``switchable``), whose nodes
@@ -318,16 +328,22 @@ class BreakableGraph:
             return done
         if label in self._parts.unswitchable:
             return False
-        for step in self.segments:
-            nodes = step.switchable.get(label)
-            if nodes:
-                graph_exec = step.exec_handle
-                for node in nodes:
-                    cudart.set_node_enabled(graph_exec, node, enabled)
-        if enabled:
-            self._disabled.discard(label)
-        else:
-            self._disabled.add(label)
+        disabled = self._disabled - {label} if enabled else self._disabled | {label}
+        device = self._parts.device
+        assert device is not None
+        with torch.cuda.device(device):
+            stream = _current_stream(device)
+            try:
+                for step in self.segments:
+                    step.skip(disabled, stream)
+            except BaseException:
+                for step in self.segments:  # back to the groups skipped before (built, or nodes)
+                    step.skip(self._disabled, stream)
+                raise
+        executor = self._executors.get(disabled)
+        if executor is None:
+            executor = self._executors[disabled] = make_executor(self._plan, self._executor.name)
+        self._executor, self._disabled = executor, disabled
         return done
 
     def would_fall_back(self, live: Any) -> str | None:
@@ -417,7 +433,7 @@ class BreakableGraph:
         if fallback is not None:
             fallback.reset()
         self._inline_replays, self._fallback_replays = 0, {}
-        self._disabled = set()
+        self._disabled, self._executors = frozenset(), {}
         self.outputs = None
         self._was_reset = True
         if graph_mode and torch.cuda.is_available():

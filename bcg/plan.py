@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from bcg import cudart
+from bcg.cudart import stream_readers
 from bcg.breakpoint import BreakpointSpec
 from bcg.bridge import BridgeSet
+from bcg.trim import trimmed_exec
 
 if TYPE_CHECKING:
     from bcg.debug import Guards, Poison
@@ -37,11 +40,42 @@ class SegmentStep:
     uses_rng: bool = False
     #: nodes recorded inside ``bcg.switchable(label)`` blocks, per label
     switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: the node groups replays skip now (see :meth:`skip`)
+    skipped: frozenset[str] = frozenset()
+    #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.trim`)
+    trimmed: dict[frozenset[str], int] = field(default_factory=dict, repr=False)
 
     @property
     def launch(self) -> Callable[[], None]:
+        """The segment's launch on the current stream (its trimmed executable's, when it skips groups)."""
         assert self.cuda_graph is not None
+        if self.skipped and not self.uses_rng:
+            handle = self.trimmed[self.skipped]
+            get_device, get_stream = stream_readers()
+            return lambda: cudart.launch(handle, get_stream(get_device()))
         return self.cuda_graph.replay
+
+    def skip(self, labels: frozenset[str], stream: int) -> None:
+        """Skip the node groups ``labels`` (those this segment has) in the replays that follow.
+
+        A segment torch replays (RNG) disables their nodes in its executable
+        (``cudaGraphNodeSetEnabled``: empty nodes); the others replay an
+        executable without them, built (uploaded on ``stream``) the first time
+        a set of groups is skipped and kept until :meth:`release`. Executors
+        read :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
+        """
+        labels = frozenset(label for label in labels if self.switchable.get(label))
+        if labels == self.skipped:
+            return
+        if self.uses_rng:
+            graph_exec = int(self.cuda_graph.raw_cuda_graph_exec())  # type: ignore[union-attr]
+            for label in labels ^ self.skipped:
+                for node in self.switchable[label]:
+                    cudart.set_node_enabled(graph_exec, node, label not in labels)
+        elif labels and labels not in self.trimmed:
+            drop = [node for label in sorted(labels) for node in self.switchable[label]]
+            self.trimmed[labels] = trimmed_exec(self.graph_handle, drop, stream)
+        self.skipped = labels
 
     @property
     def graph_handle(self) -> int:
@@ -51,11 +85,17 @@ class SegmentStep:
 
     @property
     def exec_handle(self) -> int:
-        """The segment's instantiated ``cudaGraphExec_t``."""
+        """The ``cudaGraphExec_t`` replays launch (the trimmed one, when the segment skips groups)."""
         assert self.cuda_graph is not None
+        if self.skipped and not self.uses_rng:
+            return self.trimmed[self.skipped]
         return int(self.cuda_graph.raw_cuda_graph_exec())
 
     def release(self) -> None:
+        """Free the executables and the graph (no replay may still be queued)."""
+        for graph_exec in self.trimmed.values():
+            cudart.exec_destroy(graph_exec)
+        self.trimmed, self.skipped = {}, frozenset()
         if self.cuda_graph is not None:
             self.cuda_graph.reset()
             self.cuda_graph = None

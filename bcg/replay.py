@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from bcg import native
+from bcg.cudart import stream_readers
 from bcg.errors import ReplayError, add_note
 from bcg.plan import BreakpointStep, SegmentStep, Step
 
@@ -67,17 +68,6 @@ def _failed_breakpoint(exc: BaseException, plan: Sequence[Step]) -> BreakpointSt
             return step
         tb = tb.tb_next
     return None
-
-
-def stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
-    """``(current device, current raw stream of a device)``, the cheapest way torch offers."""
-    import torch
-
-    get_device = getattr(torch._C, "_cuda_getDevice", None)
-    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_device is not None and get_stream is not None:
-        return get_device, get_stream
-    return torch.cuda.current_device, lambda device: int(torch.cuda.current_stream(device).cuda_stream)
 
 
 class NativeExecutor:

@@ -65,7 +65,7 @@ from bcg.errors import VerificationError
 from bcg.lru import Lru
 from bcg.plan import BreakpointStep, SegmentStep, Step
 from bcg.pool import PoolHandle, graph_pool_handle
-from bcg.replay import stream_readers
+from bcg.cudart import stream_readers
 from bcg.stitch import StitchedCache
 
 log = logging.getLogger("bcg")

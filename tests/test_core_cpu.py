@@ -97,6 +97,40 @@ def test_switchable_work_always_runs_without_cuda_graphs() -> None:
     assert not bcg.BreakableGraph().set_enabled("extra", False)  # not captured
 
 
+def _orders(edges: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Every (before, after) pair the edges imply (transitive closure)."""
+    closure = set(edges)
+    while True:
+        more = {(a, d) for a, b in closure for c, d in closure if b == c} - closure
+        if not more:
+            return closure
+        closure |= more
+
+
+@pytest.mark.parametrize(
+    "edges,gone",
+    [
+        ([(1, 2), (2, 3)], [2]),  # a chain
+        ([(1, 2), (2, 3), (3, 4), (4, 5)], [2, 3, 4]),  # consecutive removed nodes
+        ([(1, 2), (1, 3), (2, 4), (3, 4), (4, 5)], [2, 4]),  # a diamond and its join
+        ([(1, 2), (2, 3), (2, 4)], [1]),  # a removed root
+        ([(1, 2), (2, 3), (1, 3)], [3]),  # a removed leaf
+        ([(1, 2), (3, 2), (2, 4), (2, 5)], [2]),  # two before, two after
+    ],
+)
+def test_trimming_keeps_every_order_between_the_nodes_that_stay(edges: list[tuple[int, int]], gone: list[int]) -> None:
+    """A trimmed executable's graph: the removed nodes' edges go, the bypass edges come, and
+    the nodes that stay keep exactly the orders they had."""
+    from bcg.trim import bypass_edges
+
+    added = bypass_edges(edges, gone)
+    kept = [(a, b) for a, b in edges if a not in gone and b not in gone] + added
+    assert not {n for e in added for n in e} & set(gone)
+    assert not set(added) & set(edges)
+    stay = lambda pairs: {(a, b) for a, b in pairs if a not in gone and b not in gone}  # noqa: E731
+    assert _orders(kept) == stay(_orders(edges))
+
+
 def test_mutates_names_the_written_arguments() -> None:
     @bcg.breakpoint(mutates=("out",))
     def f(a: torch.Tensor, out: torch.Tensor) -> None:

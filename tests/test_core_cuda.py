@@ -426,6 +426,54 @@ def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executor
     graph.reset()
 
 
+def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
+    """A skipped group replays as an executable without its nodes; the kernels around it stay
+    ordered (each reads what the one before wrote: big enough that a lost edge races), and
+    a segment that uses RNG (replayed through torch) disables the nodes instead."""
+    n = 1 << 24
+    a = torch.randn(n, device="cuda")
+    extra = torch.zeros(n, device="cuda")
+
+    @bcg.breakpoint
+    def bump(t: torch.Tensor) -> None:
+        t.add_(bcg.live())
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2
+        with bcg.switchable("extra"):
+            h.add_(1)
+            extra.add_(1)
+        h = h.sin() * 3  # reads h right after the group
+        bump(h)
+        noise = torch.rand(8, device="cuda")  # this segment uses RNG
+        with bcg.switchable("extra"):
+            h.add_(1)
+        return h.cos(), noise
+
+    graph, (y, noise) = _capture(fn, a, live=0.0)
+    plain, rng = graph.segments
+    assert not plain.uses_rng and rng.uses_rng
+    for executor in ("python", "native") if bcg.native.available() else ("python",):
+        graph.use_executor(executor)
+        for enabled in (False, True, False, False, True):
+            assert graph.set_enabled("extra", enabled)
+            assert (plain.exec_handle != int(plain.cuda_graph.raw_cuda_graph_exec())) == (not enabled)
+            assert rng.exec_handle == int(rng.cuda_graph.raw_cuda_graph_exec())
+            a.copy_(torch.randn(n, device="cuda"))
+            live = float(random.randint(1, 9))
+            before = extra.clone()
+            graph.replay(live=live)
+            step = 1.0 if enabled else 0.0
+            expected = (((a * 2 + step).sin() * 3) + live + step).cos()
+            torch.testing.assert_close(y, expected)
+            torch.testing.assert_close(extra, before + step, rtol=0, atol=0)
+    first = noise.clone()
+    graph.replay(live=1.0)
+    assert not torch.equal(noise, first)  # the RNG segment still draws fresh numbers
+    graph.reset()
+    _assert_clean()
+
+
 def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_runs() -> None:
     @bcg.breakpoint
     def bp(t: torch.Tensor) -> None:

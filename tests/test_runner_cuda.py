@@ -92,9 +92,11 @@ def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: b
     assert runner.graph(16).num_breakpoints == 2
 
 
-def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Calls on ``input_buffers(T)`` copy nothing and match eager; calls on the caller's own
-    tensors copy each padded input once (one ``cudaMemcpyAsync``) and match too."""
+@pytest.mark.parametrize("sanitize", [True, False])
+def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.MonkeyPatch, sanitize: bool) -> None:
+    """Calls on ``input_buffers(T)`` copy nothing and match eager (without sanitizing, the rows
+    past ``T`` are still zeroed: stale rows of a longer call must not leak in); calls on the
+    caller's own tensors copy each padded input once (one ``cudaMemcpyAsync``) and match too."""
     from bcg.runner import inputs
 
     copies: list[int] = []
@@ -107,9 +109,9 @@ def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.M
     monkeypatch.setattr(inputs.cudart, "copy_device_to_device", spy)
     model = _model()
     buckets = [16, 64]
-    runner = _runner(model, buckets)
+    runner = _runner(model, buckets, sanitize=sanitize)
     gen = torch.Generator().manual_seed(6)
-    for T in (16, 5, 64, 40, 1):
+    for T in (64, 16, 5, 64, 40, 1, 5):
         x, pos, live = _batch(T, gen)
         bx, bpos = runner.input_buffers(T)
         bx.copy_(x)
@@ -118,6 +120,10 @@ def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.M
         y = runner(bx, bpos, live=live).clone()
         assert copies == [], f"T={T}: the call copied inputs that were already in place"
         assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T)))
+        if not sanitize:  # the graph read zeros past T (the earlier T=64 call left its rows there)
+            assert not runner.input_buffers(runner.bucket_for(T))[0][T:].any(), f"T={T}"
+        if T <= 16:  # the same inputs through the larger bucket
+            assert torch.equal(runner(bx, bpos, live=live, bucket=64), _padded_eager(model, x, live, 64))
         y_own = runner(x, pos, live=live)
         assert len(copies) == 2
         assert torch.equal(y_own, y)
@@ -308,6 +314,9 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
         y = runner(x, pos, live=live)
         bucket = runner.bucket_for(T)
         assert asked[-1] == (T < bucket, True), f"T={T}: the zeroing was not switched as asked"
+        for step in runner.graph(bucket).segments:  # each replays its executable without the zeroing
+            if step.switchable.get(PADDING):
+                assert step.skipped == (frozenset({PADDING}) if T == bucket else frozenset()), (T, step.index)
         assert torch.isfinite(runner.bucket_outputs(bucket)).all(), f"NaN/inf in bucket {bucket} at T={T}"
         with bcg.live_scope(live), torch.no_grad():
             expected = model(x, pos)

@@ -211,6 +211,13 @@ class StaticInputs:
                 cudart.copy_device_to_device(view.data_ptr(), x.data_ptr(), x.numel() * x.element_size(), stream)
             else:
                 view.narrow(s.pad_dim, 0, T).copy_(x)
+        if zero_tail:
+            self.zero_tails(views, T)
+
+    def zero_tails(self, views: list[Any], T: int) -> None:
+        """Zero the rows past ``T`` of the bucket's padded ``views``."""
+        for s in self.padded:
+            view = views[s.index]
             n = view.shape[s.pad_dim]
-            if zero_tail and T < n:
+            if T < n:
                 view.narrow(s.pad_dim, T, n - T).zero_()

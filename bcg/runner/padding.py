@@ -206,6 +206,7 @@ class PaddingSanitizer:
         self._device = device
         self._arange = torch.arange(rows, device=device)
         self._t_dev = torch.zeros((), dtype=torch.int32, device=device)  # int32: set with one memset
+        self._t_written: int | None = None  # the last value written into _t_dev (stream order)
         self._pad_mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._mask_views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._patterns: dict[int, set[Pattern]] = {}  # run size -> shapes of fresh crossing tensors
@@ -222,12 +223,16 @@ class PaddingSanitizer:
         """Make ``T`` the real row count the next run or replay masks against.
 
         With ``stream`` (a raw CUDA stream of the device): one ``cuMemsetD32Async``
-        there, about 4 us of host time less than ``fill_``.
+        there, about 4 us of host time less than ``fill_``; and none when ``T`` is
+        the value last written so (the runner orders each replay after the
+        previous one, across streams too, so every reader is queued after it).
         """
         if stream is None:
             self._t_dev.fill_(T)
-        else:
+            self._t_written = None
+        elif T != self._t_written:
             cudart.memset_d32(self._t_dev.data_ptr(), T, 1, stream)
+            self._t_written = T
 
     def _mask_view(self, n: int, dim: int, ndim: int) -> torch.Tensor:
         key = (n, dim, ndim)

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from bcg.pool import PoolHandle
-from bcg.replay import stream_readers
+from bcg.cudart import stream_readers
 
 log = logging.getLogger("bcg")
 
