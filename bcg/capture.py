@@ -300,7 +300,9 @@ class CaptureSession(Recorder):
             log.debug("bcg: switchable(%r) recorded %s nodes, which CUDA cannot disable: its nodes always run",
                       label, ", ".join(sorted(kinds - cudart.SWITCHABLE_NODE_TYPES)))
             return
-        self._switch_nodes.setdefault(label, []).extend(added)
+        group = self._switch_nodes.setdefault(label, [])
+        known = {int(n) for n in group}
+        group.extend(n for n in added if int(n) not in known)  # a nested block of the same label
 
     # -- Recorder -----------------------------------------------------------------------------
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -89,14 +89,14 @@ def graph_nodes(graph: int) -> list[Any]:
     return list(nodes)[:n]
 
 
-def _edge_sources(graph: int) -> set[int]:
+def graph_edges(graph: int) -> list[tuple[Any, Any]]:
+    """``graph``'s dependency edges as ``(from, to)`` node pairs."""
     rt = runtime()
-    out = check(rt.cudaGraphGetEdges(graph, 0))
-    n = out[-1]
+    n = check(rt.cudaGraphGetEdges(graph, 0))[-1]
     if n == 0:
-        return set()
+        return []
     out = check(rt.cudaGraphGetEdges(graph, n))
-    return {int(x) for x in list(out[0])[:n]}
+    return list(zip(list(out[0])[:n], list(out[1])[:n]))
 
 
 def join_forked_work(stream: int) -> int:
@@ -114,7 +114,7 @@ def join_forked_work(stream: int) -> int:
     nodes = graph_nodes(graph)
     if not nodes:
         return 0
-    sources = _edge_sources(graph)
+    sources = {int(a) for a, _ in graph_edges(graph)}
     current = {int(d) for d in deps}
     missing = [n for n in nodes if int(n) not in sources and int(n) not in current]
     if not missing:
@@ -260,8 +260,11 @@ def add_child_graph(graph: int, after: Any | None, child: int) -> Any:
 
 
 def instantiate(graph: int) -> int:
-    """``cudaGraphInstantiate(graph, 0)``: the executable graph's handle."""
-    return int(check(runtime().cudaGraphInstantiate(graph, 0)))
+    """``cudaGraphInstantiate`` with per-node priorities (as torch instantiates its graphs: kernels
+    captured on a high-priority stream keep their priority): the executable graph's handle."""
+    rt = runtime()
+    flags = rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagUseNodePriority
+    return int(check(rt.cudaGraphInstantiate(graph, int(flags))))
 
 
 def exec_update(graph_exec: int, graph: int) -> bool:
@@ -295,16 +298,6 @@ def graph_clone(graph: int) -> int:
 def find_in_clone(node: Any, clone: int) -> Any:
     """The node of ``clone`` that copies ``node`` of the graph it was cloned from."""
     return check(runtime().cudaGraphNodeFindInClone(node, clone))
-
-
-def graph_edges(graph: int) -> list[tuple[Any, Any]]:
-    """``graph``'s dependency edges as ``(from, to)`` node pairs."""
-    rt = runtime()
-    n = check(rt.cudaGraphGetEdges(graph, 0))[-1]
-    if n == 0:
-        return []
-    out = check(rt.cudaGraphGetEdges(graph, n))
-    return list(zip(list(out[0])[:n], list(out[1])[:n]))
 
 
 def add_edges(graph: int, edges: list[tuple[Any, Any]]) -> None:

@@ -109,11 +109,11 @@ class BreakableGraph:
         if self._executor is not None:
             self._executors[self._disabled] = self._executor
 
-    def _rebuild_executor(self, name: str | None = None) -> None:
-        """Rebuild the executor from the plan (keyed steps retired to plain calls): of kind ``name``
-        (None: the same kind); executors built for other sets of skipped groups are dropped."""
+    def _rebuild_executor(self) -> None:
+        """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind;
+        the executors built for other sets of skipped groups are dropped."""
         if self._executor is not None:
-            self._executor = make_executor(self._plan, name or self._executor.name)
+            self._executor = make_executor(self._plan, self._executor.name)
             self._executors = {self._disabled: self._executor}
 
     def set_fallback(self, graph: BreakableGraph) -> None:
@@ -323,28 +323,39 @@ class BreakableGraph:
             raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
         if self._executor is None:
             return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
-        done = self.fallback.set_enabled(label, enabled) if self.fallback is not None else True
+        before = self._disabled
+        done = self._switch(label, enabled)
+        if self.fallback is not None:
+            try:
+                done = self.fallback.set_enabled(label, enabled) and done
+            except BaseException:
+                self._switch(label, label not in before)  # both forms stay as they were
+                raise
+        return done
+
+    def _switch(self, label: str, enabled: bool) -> bool:
+        """:meth:`set_enabled` for this graph's own segments (all or none of them switched)."""
         if (label not in self._disabled) == enabled:
-            return done
+            return True
         if label in self._parts.unswitchable:
             return False
         disabled = self._disabled - {label} if enabled else self._disabled | {label}
         device = self._parts.device
-        assert device is not None
+        assert device is not None and self._executor is not None
         with torch.cuda.device(device):
             stream = _current_stream(device)
             try:
                 for step in self.segments:
                     step.skip(disabled, stream)
+                executor = self._executors.get(disabled)
+                if executor is None:
+                    executor = self._executors[disabled] = make_executor(self._plan, self._executor.name)
             except BaseException:
                 for step in self.segments:  # back to the groups skipped before (built, or nodes)
                     step.skip(self._disabled, stream)
                 raise
-        executor = self._executors.get(disabled)
-        if executor is None:
-            executor = self._executors[disabled] = make_executor(self._plan, self._executor.name)
         self._executor, self._disabled = executor, disabled
-        return done
+        return True
 
     def would_fall_back(self, live: Any) -> str | None:
         """Why a replay with ``live`` would run the breakable form (staged metadata that does not fit); else None."""

@@ -10,6 +10,7 @@ recorded can be handed to anybody else while the graph lives.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
@@ -21,6 +22,8 @@ from bcg.cudart import stream_readers
 from bcg.breakpoint import BreakpointSpec
 from bcg.bridge import BridgeSet
 from bcg.trim import trimmed_exec
+
+log = logging.getLogger("bcg")
 
 if TYPE_CHECKING:
     from bcg.debug import Guards, Poison
@@ -44,12 +47,22 @@ class SegmentStep:
     skipped: frozenset[str] = frozenset()
     #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.trim`)
     trimmed: dict[frozenset[str], int] = field(default_factory=dict, repr=False)
+    #: why this segment skips groups by disabling their nodes (RNG, or a refused trimmed build); None: trims
+    in_place: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.uses_rng:
+            self.in_place = "it uses RNG: torch replays it"
+
+    @property
+    def _trims(self) -> bool:
+        return bool(self.skipped) and self.in_place is None
 
     @property
     def launch(self) -> Callable[[], None]:
         """The segment's launch on the current stream (its trimmed executable's, when it skips groups)."""
         assert self.cuda_graph is not None
-        if self.skipped and not self.uses_rng:
+        if self._trims:
             handle = self.trimmed[self.skipped]
             get_device, get_stream = stream_readers()
             return lambda: cudart.launch(handle, get_stream(get_device()))
@@ -58,28 +71,50 @@ class SegmentStep:
     def skip(self, labels: frozenset[str], stream: int) -> None:
         """Skip the node groups ``labels`` (those this segment has) in the replays that follow.
 
-        A segment torch replays (RNG) disables their nodes in its executable
-        (``cudaGraphNodeSetEnabled``: empty nodes); the others replay an
-        executable without them, built (uploaded on ``stream``) the first time
-        a set of groups is skipped and kept until :meth:`release`. Executors
-        read :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
+        The segment replays an executable without their nodes, built (and
+        uploaded on ``stream``) the first time a set of groups is skipped and
+        kept until :meth:`release`. A segment torch replays (RNG), or whose
+        build CUDA refused (logged), disables the nodes in its own executable
+        instead (``cudaGraphNodeSetEnabled``: empty nodes). Executors read
+        :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
         """
         labels = frozenset(label for label in labels if self.switchable.get(label))
         if labels == self.skipped:
             return
-        if self.uses_rng:
-            graph_exec = int(self.cuda_graph.raw_cuda_graph_exec())  # type: ignore[union-attr]
-            for label in labels ^ self.skipped:
-                for node in self.switchable[label]:
-                    cudart.set_node_enabled(graph_exec, node, label not in labels)
-        elif labels and labels not in self.trimmed:
-            drop = [node for label in sorted(labels) for node in self.switchable[label]]
-            self.trimmed[labels] = trimmed_exec(self.graph_handle, drop, stream)
+        if self.in_place is None and labels and labels not in self.trimmed:
+            drop = list({int(node): node for label in sorted(labels) for node in self.switchable[label]}.values())
+            try:
+                self.trimmed[labels] = trimmed_exec(self.graph_handle, drop, stream)
+            except RuntimeError as exc:  # a CUDA refusal (e.g. a node type cudaGraphClone does not copy)
+                log.warning("bcg: segment %d: no executable without %s (%s); its nodes are disabled instead",
+                            self.index, sorted(labels), exc)
+                self.in_place = f"building its trimmed executable failed: {exc}"
+                self._set_nodes(frozenset(), self.skipped)  # the executable runs every node; now switch them
+        if self.in_place is not None:
+            self._set_nodes(self.skipped, labels)
         self.skipped = labels
+
+    def _set_nodes(self, before: frozenset[str], after: frozenset[str]) -> None:
+        """Disable, in the segment's own executable, the nodes of the groups ``after`` skips and
+        enable the others that ``before`` skipped (a node in several groups is off while any is);
+        on failure, put back the nodes already switched."""
+        graph_exec = int(self.cuda_graph.raw_cuda_graph_exec())  # type: ignore[union-attr]
+        off = {int(node) for label in after for node in self.switchable[label]}
+        changed = {int(node): node for label in before ^ after for node in self.switchable[label]}
+        done: list[Any] = []
+        try:
+            for key, node in changed.items():
+                cudart.set_node_enabled(graph_exec, node, key not in off)
+                done.append(node)
+        except BaseException:
+            was_off = {int(node) for label in before for node in self.switchable[label]}
+            for node in done:
+                cudart.set_node_enabled(graph_exec, node, int(node) not in was_off)
+            raise
 
     @property
     def graph_handle(self) -> int:
-        """The segment's ``cudaGraph_t`` (kept for inspection and stitching)."""
+        """The segment's ``cudaGraph_t`` (kept for inspection, stitching and trimming)."""
         assert self.cuda_graph is not None
         return int(self.cuda_graph.raw_cuda_graph())
 
@@ -87,7 +122,7 @@ class SegmentStep:
     def exec_handle(self) -> int:
         """The ``cudaGraphExec_t`` replays launch (the trimmed one, when the segment skips groups)."""
         assert self.cuda_graph is not None
-        if self.skipped and not self.uses_rng:
+        if self._trims:
             return self.trimmed[self.skipped]
         return int(self.cuda_graph.raw_cuda_graph_exec())
 

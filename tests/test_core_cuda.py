@@ -474,6 +474,57 @@ def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
     _assert_clean()
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Blocks nested in a block of the same label, or of another label: a node runs while none of
+    its groups is skipped. In a trimmed executable, in a segment using RNG (disabled nodes), and,
+    where CUDA refuses to build a trimmed executable, with its nodes disabled (logged)."""
+    if refused:
+        def refuse(*args: object) -> int:
+            raise RuntimeError("cudaErrorNotSupported: refused for the test")
+
+        monkeypatch.setattr(bcg.plan, "trimmed_exec", refuse)
+    x = torch.randn(1024, device="cuda")
+    a = torch.zeros(1024, device="cuda")
+    b = torch.zeros(1024, device="cuda")
+
+    @bcg.breakpoint
+    def bump(t: torch.Tensor) -> None:
+        t.add_(bcg.live())
+
+    def body() -> None:
+        with bcg.switchable("a"):
+            a.add_(1)
+            with bcg.switchable("a"):
+                a.add_(10)
+            with bcg.switchable("b"):
+                b.add_(1)  # in both groups
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        body()
+        h = t * 2
+        bump(h)
+        torch.rand(4, device="cuda")  # the second segment uses RNG
+        body()
+        return h + 1
+
+    graph, y = _capture(fn, x, live=0.0)
+    assert [s.uses_rng for s in graph.segments] == [False, True]
+    with caplog.at_level("WARNING", logger="bcg"):
+        for on_a, on_b in [(False, True), (True, False), (False, False), (True, True), (False, True)]:
+            assert graph.set_enabled("a", on_a) and graph.set_enabled("b", on_b)
+            da, db = a.clone(), b.clone()
+            graph.replay(live=1.0)
+            torch.testing.assert_close(y, x * 2 + 2, rtol=0, atol=0)
+            torch.testing.assert_close(a - da, torch.full_like(a, 22.0 if on_a else 0.0), rtol=0, atol=0)
+            torch.testing.assert_close(b - db, torch.full_like(b, 2.0 if on_a and on_b else 0.0), rtol=0, atol=0)
+    plain = graph.segments[0]
+    assert (plain.in_place is not None) == refused
+    assert ("no executable without" in caplog.text) == refused
+    graph.reset()
+
+
 def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_runs() -> None:
     @bcg.breakpoint
     def bp(t: torch.Tensor) -> None:

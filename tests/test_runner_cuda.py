@@ -107,6 +107,11 @@ def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.M
         copy(dst, src, nbytes, stream)
 
     monkeypatch.setattr(inputs.cudart, "copy_device_to_device", spy)
+    from bcg.runner import graph_runner
+
+    checked: list[int] = []
+    check_inputs = graph_runner.check_inputs
+    monkeypatch.setattr(graph_runner, "check_inputs", lambda *a: checked.append(1) or check_inputs(*a))
     model = _model()
     buckets = [16, 64]
     runner = _runner(model, buckets, sanitize=sanitize)
@@ -116,16 +121,17 @@ def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.M
         bx, bpos = runner.input_buffers(T)
         bx.copy_(x)
         bpos.copy_(pos)
-        del copies[:]
+        del copies[:], checked[:]
         y = runner(bx, bpos, live=live).clone()
         assert copies == [], f"T={T}: the call copied inputs that were already in place"
+        assert checked == [], f"T={T}: the call checked the inputs input_buffers made"
         assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T)))
         if not sanitize:  # the graph read zeros past T (the earlier T=64 call left its rows there)
             assert not runner.input_buffers(runner.bucket_for(T))[0][T:].any(), f"T={T}"
         if T <= 16:  # the same inputs through the larger bucket
             assert torch.equal(runner(bx, bpos, live=live, bucket=64), _padded_eager(model, x, live, 64))
         y_own = runner(x, pos, live=live)
-        assert len(copies) == 2
+        assert len(copies) == 2 and checked, "the caller's own tensors are checked and copied"
         assert torch.equal(y_own, y)
 
 

@@ -11,8 +11,8 @@ grow with it (a shape seen at another size).
 
 All of that zeroing is the :data:`PADDING` node group (``bcg.switchable``): a
 call whose ``T`` equals its bucket has no padded row, and the runner switches
-the group off for it (its nodes run as empty nodes), and on again for the next
-call that pads.
+the group off for it (its segments replay executables without those nodes),
+and on again for the next call that pads.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""Where a staged runner call spends its host time: each piece of ``GraphRunner.__call__`` timed
+alone in a loop (us per call, best of 5 loops: warm caches), then whole calls of the runner, the
+bare graph, its executor and the floor, with the GPU idle before each (cold), host only and to
+completion. A diagnostic that reaches into the runner's private state; not a bench row.
+Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen]``.
+"""
+import statistics, time, sys
+import torch
+import bcg
+from bcg.bench import cli, modes, registry
+from bcg.bench.workloads import llama
+from bcg.runner.inputs import check_inputs
+from bcg.runner.padding import PADDING
+from bcg.buckets import pick_bucket
+from bcg.replay import stream_readers
+
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+attn = sys.argv[2] if len(sys.argv) > 2 else "flash"
+args = cli.parse_args(["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"])
+dev = torch.device("cuda")
+model = llama.setup(args, dev)
+case = llama.make_case(model, args, dev, attn, T)
+built = modes._bcg_staged(case, registry.BuildContext(), compiled=False)
+st = case.staged
+runner = [c.cell_contents for c in built.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
+g = runner.graph(T)
+inputs = runner.input_buffers(T)
+live = st.fresh_live()
+b = runner._buckets[T]
+stager = g._parts.stager
+gd, gs = stream_readers()
+s_raw = gs(0)
+
+def rep(fn, n=2000):
+    out = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return round(min(out), 2)
+
+pieces = {
+    "check_inputs": lambda: check_inputs(runner._inputs, inputs, "r"),
+    "pick_bucket": lambda: pick_bucket(runner._buckets_list, T),
+    "current_device": gd,
+    "serialize_streams": lambda: runner._lock.serialize_streams(0),
+    "static.write": lambda: runner._static.write(b.views, inputs, T, False, s_raw),
+    "set_enabled(noop)": lambda: g.set_enabled(PADDING, False),
+    "agree": lambda: runner._agree_on_replay(g, live),
+    "fresh_live": st.fresh_live,
+    "misfit": lambda: stager.misfit(live),
+    "prepare": lambda: stager.prepare(live),
+    "slice": lambda: runner._slice(b, b.leaves, T, False, True),
+    "views_safe": runner._lock.views_safe,
+    "stats_counters": lambda: None,
+}
+res = {k: rep(f) for k, f in pieces.items()}
+res["set_rows(memset)"] = rep(lambda: runner._sanitizer.set_rows(T, s_raw), 500)
+torch.cuda.synchronize()
+print("pieces us:", res, flush=True)
+
+def med(fn, n=60, wait=True):
+    s = []
+    for _ in range(n):
+        torch.cuda.synchronize(); t0 = time.perf_counter(); fn()
+        if wait: torch.cuda.synchronize()
+        s.append((time.perf_counter() - t0) * 1e6)
+    return round(statistics.median(s), 1)
+fl = modes._floor(case, registry.BuildContext(), compiled=False)
+for r in range(2):
+    print("host-only us: runner", med(lambda: runner(*inputs, live=st.fresh_live()), wait=False),
+          "graph.replay", med(lambda: g.replay(live), wait=False),
+          "executor.run", med(g._executor.run, wait=False),
+          "floor", med(fl.run, wait=False), flush=True)
+    print("wall us: runner", med(lambda: runner(*inputs, live=st.fresh_live())), "graph.replay", med(lambda: g.replay(live)),
+          "executor.run", med(g._executor.run), "floor", med(fl.run), flush=True)
+print("nodes", [s.nodes for s in g.segments], "switchable", [{k: len(v) for k, v in s.switchable.items()} for s in g.segments])
