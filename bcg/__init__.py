@@ -26,7 +26,7 @@ from bcg.errors import (
     VerificationError,
 )
 from bcg.graph import BreakableGraph, GraphStats
-from bcg.staging import StagingBuffer
+from bcg.staging import StagedTiers, StagingBuffer
 from bcg.variants import VariantPolicy
 from bcg.distributed import RankAgreement
 from bcg.breakpoint import live, live_scope
@@ -53,6 +53,7 @@ __all__ = [
     "NestedCaptureError",
     "RankAgreement",
     "ReplayError",
+    "StagedTiers",
     "StagingBuffer",
     "StreamForkError",
     "VariantPolicy",

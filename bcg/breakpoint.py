@@ -175,12 +175,24 @@ class BreakpointSpec:
     capture_stub: Callable[..., Any] | None = None
     mutates: tuple[str, ...] | None = None
     prepare: Callable[[Any], Any] | None = None
-    fits: Callable[[Any], bool] | None = None
+    fits: Callable[..., bool] | None = None
     key: Callable[[Any], Any] | None = None
 
     @property
     def staged(self) -> bool:
         return self.prepare is not None
+
+    @functools.cached_property
+    def fits_reads_staged(self) -> bool:
+        """Whether ``fits`` takes a second argument: what ``prepare`` returned at capture."""
+        if self.fits is None:
+            return False
+        try:
+            params = inspect.signature(self.fits).parameters.values()
+        except (TypeError, ValueError):  # no signature (a builtin): called with live alone
+            return False
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
     def is_enabled(self) -> bool:
         return bool(self.enabled() if callable(self.enabled) else self.enabled)
@@ -308,7 +320,7 @@ def breakpoint(
     name: str | None = None,
     mutates: str | tuple[str, ...] | None = None,
     prepare: Callable[[Any], Any] | None = None,
-    fits: Callable[[Any], bool] | None = None,
+    fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
 ) -> Callable[[F], F]: ...
 
@@ -322,7 +334,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     name: str | None = None,
     mutates: str | tuple[str, ...] | None = None,
     prepare: Callable[[Any], Any] | None = None,
-    fits: Callable[[Any], bool] | None = None,
+    fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
@@ -342,7 +354,8 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             any tensor argument may be); padding sanitizers run on exactly those.
         prepare, fits: make the breakpoint *staged*: captured inline, reading
             metadata that ``prepare(live)`` stages in static buffers at every
-            replay, whenever ``fits(live)``; see :mod:`bcg.staging` for the contract.
+            replay, whenever ``fits(live)`` (or ``fits(live, staged)``, given what
+            ``prepare`` returned at capture); see :mod:`bcg.staging` for the contract.
         key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value
             covering everything host-dynamic its GPU work depends on; its work is
             captured once per key (a *variant*) and replayed from then on, and a

@@ -7,6 +7,10 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
   static bounds the graph was captured with: the number of request slots, an
   upper bound on ``max_seqlen``, a split count. What must be bounded is
   whatever decides a launch configuration (grid sizes, loop counts, kernel choice).
+  A ``fits`` that takes a second argument is given what ``prepare`` returned at
+  the graph's capture (``fits(live, staged)``): the bounds can then differ from
+  one capture to another, e.g. the staged tiers of a :class:`bcg.GraphRunner`
+  bucket (:class:`bcg.StagedTiers`), each captured for fewer request slots.
 * ``prepare(live)`` writes the metadata that may vary at every replay
   (``cu_seqlens``, ``seqused``, page tables: anything a kernel reads from device
   memory) into :class:`StagingBuffer` s, on the host only, and returns the
@@ -151,7 +155,7 @@ class Stager:
     """
 
     def __init__(self) -> None:
-        self._fits: list[BreakpointSpec] = []
+        self._fits: list[tuple[BreakpointSpec, Any]] = []  # each distinct check: (spec, its staged value)
         self._prepares: list[Any] = []
         self._values: list[Any] = []  # what each prepare returned when recorded
         self.names: list[str] = []  # the staged breakpoints recorded inline, each name once
@@ -172,9 +176,9 @@ class Stager:
 
     def misfit(self, live: Any) -> str | None:
         """``None`` when every staged breakpoint fits ``live``, else the reason (``"<name> does not fit"``)."""
-        for spec in self._fits:
+        for spec, staged in self._fits:
             assert spec.fits is not None
-            if not spec.fits(live):
+            if not (spec.fits(live, staged) if spec.fits_reads_staged else spec.fits(live)):
                 return f"{spec.name} does not fit"
         return None
 
@@ -202,7 +206,15 @@ class Stager:
         """
         assert spec.fits is not None and spec.prepare is not None
         value = live(static_ok=True)
-        if not spec.fits(value):
+        i = self._index(spec)
+        staged, written = (self._values[i], []) if i is not None else (None, None)
+        if spec.fits_reads_staged:
+            if i is None:  # its bounds are what prepare returns: stage first (uploaded only if it fits)
+                staged, written = recorder.run_breakpoint(stage, (spec, value), {})
+            fits = spec.fits(value, staged)
+        else:
+            fits = spec.fits(value)
+        if not fits:
             if spec.name not in self.misfits:
                 self.misfits.append(spec.name)
                 log.warning(
@@ -213,17 +225,41 @@ class Stager:
             return NOT_INLINE
         if spec.name not in self.names:
             self.names.append(spec.name)
-        if not any(s.fits == spec.fits for s in self._fits):
-            self._fits.append(spec)
-        i = self._index(spec)
         if i is None:
-            staged, written = recorder.run_breakpoint(stage, (spec, value), {})
+            if written is None:
+                staged, written = recorder.run_breakpoint(stage, (spec, value), {})
             for buf in written:
                 buf.upload()  # captured, when capturing: the graph copies the host value in
             self._prepares.append(spec.prepare)
             self._values.append(staged)
-            i = len(self._values) - 1
-        return recorder.run_breakpoint(spec.fn, args, kwargs, live=self._values[i])
+        if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v in self._fits):
+            self._fits.append((spec, staged))
+        return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
+
+
+class StagedTiers(tuple):  # type: ignore[type-arg]
+    """Capture-time live metadata for the staged tiers of each :class:`bcg.GraphRunner` bucket.
+
+    Return one from ``capture_live`` (``StagedTiers(live_a, live_b, live)``,
+    smallest bounds first): the runner captures each bucket's graph, and its
+    breakable form, with the last value as usual, and one more inline form
+    (a *tier*) per earlier value. A tier's staged breakpoints are bounded by
+    what their ``prepare`` returned for its value, which their
+    ``fits(live, staged)`` reads: say, fewer request slots, so that a small
+    batch does not pay for empty ones. A call runs the first tier whose
+    staged breakpoints all fit its ``live``, else the bucket's graph (inline
+    or breakable, as usual). Each tier ends by copying its outputs into the
+    bucket's (in the graph), so calls return the same tensors whichever ran.
+
+    .. warning::
+        Each tier costs one more capture and executable per bucket (its
+        temporaries share the pool). Runners with ``ranks=`` capture no tiers.
+    """
+
+    def __new__(cls, *lives: Any) -> StagedTiers:
+        if not lives:
+            raise ValueError("StagedTiers needs at least one live value (the bucket's own, last)")
+        return super().__new__(cls, lives)
 
 
 NOT_INLINE: Any = object()

@@ -83,19 +83,41 @@ def test_staged_prepare_writes_padded_offsets_and_returns_the_bound() -> None:
 
     out = staged.prepare(llama.Batch((10, 2, 4)))
     assert staged.cu.host.tolist() == [0, 10, 12, 16, 16]  # the unused slot repeats T: zero-length
-    assert out.cu is staged.cu.device  # the static device tensor the captured kernels read
+    assert torch.equal(out.cu, staged.cu.device) and out.cu.data_ptr() == staged.cu.device.data_ptr()
     assert out.max_len == 16  # the total tokens, a bound on the longest request (10)
 
     out = staged.prepare(llama.Batch((1, 1, 1, 5)))  # every slot used
     assert staged.cu.host.tolist() == [0, 1, 2, 3, 8]
-    assert out.max_len == 8 and out.cu is staged.cu.device
+    assert out.max_len == 8 and out.cu.shape == (5,)
+
+    out = staged.prepare(llama.Batch((3, 4), slots=2))  # a tier's capture: all offsets written, 2 slots read
+    assert staged.cu.host.tolist() == [0, 3, 7, 7, 7]
+    assert out.cu.shape == (3,) and out.cu.data_ptr() == staged.cu.device.data_ptr()
 
 
-def test_staged_fits_is_false_past_the_slots() -> None:
+def test_staged_fits_is_false_past_the_slots_of_the_capture() -> None:
     staged = llama.StagedAttention(3, torch.device("cpu"))
-    assert staged.fits(llama.Batch((5,))) is True
-    assert staged.fits(llama.Batch((1, 2, 3))) is True  # R requests
-    assert staged.fits(llama.Batch((1, 2, 3, 4))) is False  # R + 1
+    full = staged.prepare(llama.Batch((5,)))
+    assert staged.fits(llama.Batch((5,)), full) is True
+    assert staged.fits(llama.Batch((1, 2, 3)), full) is True  # R requests
+    assert staged.fits(llama.Batch((1, 2, 3, 4)), full) is False  # R + 1
+    tier = staged.prepare(llama.Batch((5,), slots=2))
+    assert staged.fits(llama.Batch((1, 2)), tier) is True
+    assert staged.fits(llama.Batch((1, 2, 3)), tier) is False
+    assert bcg.breakpoint(prepare=staged.prepare, fits=staged.fits)(lambda: None).__bcg_breakpoint__.fits_reads_staged
+
+
+def test_slot_tiers_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """The staged tiers: powers of two below --slots by default, or as given, or none; each below R."""
+    assert llama.tiers_of(cli.parse_args([])) == [2, 4]
+    assert llama.tiers_of(cli.parse_args(["--slots", "16"])) == [2, 4, 8]
+    assert llama.tiers_of(cli.parse_args(["--slots", "2"])) == []
+    assert llama.tiers_of(cli.parse_args(["--slot-tiers", "3,6"])) == [3, 6]
+    assert llama.tiers_of(cli.parse_args(["--slot-tiers", "none"])) == []
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["--slot-tiers", "4,8"])
+    assert info.value.code == 2 and "--slot-tiers 8 must be below --slots 8" in capsys.readouterr().err
+    assert llama.config(cli.parse_args([]), torch.device("cpu"))["slot_tiers"] == [2, 4]
 
 
 def test_staged_breakpoints_share_one_prepare() -> None:
@@ -137,8 +159,11 @@ def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
     lengths = tuple(case.fields["lengths"])
     for live in (staged.live, staged.fresh_live()):
         assert live == llama.Batch(lengths) and live.cu is None  # host only: no device cu_seqlens per call
-    assert staged.live_for(32) == llama.Batch(lengths)  # the runner's capture at bucket T: sum = 32
-    assert sum(staged.live_for(20).lengths) == 20
+    tiers = staged.live_for(32)  # the runner's capture at bucket T: tiers of 2 and 4 slots, then its own
+    assert isinstance(tiers, bcg.StagedTiers) and [b.slots for b in tiers] == [2, 4, None]
+    assert tiers[-1] == llama.Batch(lengths) and all(sum(b.lengths) == 32 for b in tiers)
+    assert [len(b.lengths) for b in tiers] == [2, min(4, len(lengths)), len(lengths)]
+    assert all(sum(b.lengths) == 20 for b in staged.live_for(20))
     # without a usable kernel, the staged breakpoint's function takes the host-only batch
     fwd, ref_fwd = staged.forward(staged.bp), case.forward(case.bp)
     with bcg.live_scope(staged.live):

@@ -29,6 +29,7 @@ class Meta:
     lengths: tuple[int, ...]
     cu: torch.Tensor | None = None
     bound: int | None = None
+    slots: int | None = None  # a staged tier's capture: the slots it is captured for
 
     @property
     def max_len(self) -> int:
@@ -159,6 +160,61 @@ def test_fifty_length_sets_per_bucket_from_one_to_all_slots() -> None:
             assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), (n, meta.lengths)
     assert runner.stats()["inline_replays"] == 150 and runner.stats()["staged_fallbacks"] == {}
     runner.reset()
+
+
+class TieredStaging(Staging):
+    """The same offsets; a capture for fewer slots (``meta.slots``) reads their prefix, and
+    ``fits`` checks the slots of the capture it is asked for."""
+
+    def prepare(self, meta: Meta) -> Meta:
+        staged = super().prepare(meta)
+        slots = meta.slots or SLOTS
+        return Meta(meta.lengths, staged.cu[: slots + 1], bound=staged.bound)  # type: ignore[index]
+
+    @staticmethod
+    def fits(meta: Meta, staged: Meta) -> bool:  # type: ignore[override]
+        assert staged.cu is not None
+        return len(meta.lengths) <= staged.cu.shape[0] - 1
+
+
+def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> None:
+    """Per bucket, tiers of 1 and 2 slots before the bucket's own 4: a call runs the first that
+    holds its requests (1, 2, 4 slots, or the breakable form past 4), each bit-identical to eager,
+    all returning the bucket's own output tensors."""
+    staging = TieredStaging()
+    block = Block(_make_attention(staging), layers=2)
+    buckets = [32, 128]
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        rng = random.Random(n)
+        return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
+
+    runner = _runner(block, buckets, capture_live=tiers)
+    for n in buckets:
+        assert [t.staged for t in runner.tiers(n)] == [("attn",), ("attn",)]
+    rng = random.Random(3)
+    ran = {1: 0, 2: 0}
+    outputs = {}
+    for i in range(60):
+        n = buckets[i % 2]
+        requests = [1, 2, 3, 4, 5][i % 5]
+        T = n if i % 3 == 0 else rng.randint(max(requests, n // 2), n)  # T = bucket: no zeroing
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        before = [t.staged_replays()[0] for t in runner.tiers(n)]
+        y = runner(x, live=meta)
+        assert torch.equal(y, _eager(block, x, meta)), f"call {i}: T={T}, lengths={meta.lengths}"
+        after = [t.staged_replays()[0] for t in runner.tiers(n)]
+        expected = [int(requests == 1), int(requests == 2)]
+        assert [b - a for a, b in zip(before, after)] == expected, (i, requests)
+        if requests <= 2:
+            ran[requests] += 1
+        assert outputs.setdefault((n, T), y.data_ptr()) == y.data_ptr()  # the bucket's outputs, whichever ran
+    stats = runner.stats()
+    assert stats["tier_replays"] == ran[1] + ran[2] == 24
+    assert stats["inline_replays"] == 48 and stats["staged_fallbacks"] == {"attn does not fit": 12}
+    runner.reset()
+    assert runner.tiers(32) == []
 
 
 def test_padded_rows_carry_no_nan_under_poison(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -536,7 +536,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
     ladder = extras.get("runner_staged")
     if ladder:
         print(
-            f"staged runner ladder (both forms per bucket): capture {ladder['capture_s_total']:.2f} s; pool "
+            f"staged runner ladder (inline form, staged tiers and breakable form per bucket): capture {ladder['capture_s_total']:.2f} s; pool "
             f"{ladder['pool_mib_total']:.1f} MiB ({ladder['pool_ratio_to_breakable']:.3f}x the breakable ladder's)"
         )
     ladder = extras.get("runner_compile")

@@ -24,12 +24,13 @@ from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
 from bcg.distributed import CaptureVote, RankAgreement
 from bcg.variants import VariantPolicy
 from bcg.errors import BcgError, CaptureError, ReplayError
-from bcg.graph import BreakableGraph
+from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.cudart import stream_readers
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
+from bcg.staging import StagedTiers
 
 log = logging.getLogger("bcg")
 
@@ -55,6 +56,7 @@ class _Bucket:
     capture_s: float = 0.0
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
+    tiers: list[BreakableGraph] = field(default_factory=list)  # staged tiers, tried first (StagedTiers)
 
 
 _SLICED_KEPT = 64  # distinct T per bucket whose output views are kept
@@ -76,7 +78,9 @@ class GraphRunner:
     whenever live metadata depends on the size (request lengths do): the
     forward also runs once at a probe size that is not a bucket, to learn
     which dims grow with the size, and metadata for another size would make
-    attention read out of bounds.
+    attention read out of bounds. It may return a :class:`bcg.StagedTiers`:
+    the bucket then also gets one inline form per earlier value, for calls
+    whose metadata fits smaller static bounds (see there).
     ``max_padding_ratio``: run eagerly when ``(bucket - T) / bucket`` exceeds
     it (default ``None``: never). ``copy_outputs``: ``True`` returns copies,
     ``False`` views valid until the next call, ``None`` (default) views while
@@ -216,11 +220,16 @@ class GraphRunner:
                 self._lease = PoolLease(self._device.index or 0, self._pool, self._stream)
         return self._static, self._sanitizer
 
-    def _live_for(self, n: int) -> Any:
+    def _lives_for(self, n: int) -> tuple[Any, ...]:
+        """The capture-time live values of bucket ``n``: its staged tiers' (if any), its own last."""
         live = self._capture_live
         if live is UNSET:
-            return UNSET
-        return live(n) if callable(live) else live
+            return (UNSET,)
+        live = live(n) if callable(live) else live
+        return tuple(live) if isinstance(live, StagedTiers) else (live,)
+
+    def _live_for(self, n: int) -> Any:
+        return self._lives_for(n)[-1]
 
     # -- the padded forward ----------------------------------------------------------------------
     def _padded_forward(self, n: int, views: list[Any]) -> Any:
@@ -344,12 +353,20 @@ class GraphRunner:
                 ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
                 barrier=self._barrier,
             )
+        if graph.staged:
+            tier_lives = self._lives_for(n)[:-1]
+            if tier_lives and self._ranks is not None:
+                log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= (every rank must "
+                         "replay the same form)", self.name, n)
+            elif tier_lives:
+                bucket.tiers = [t for t in (self._capture_tier(n, out, live) for live in tier_lives) if t is not None]
         graph.outputs = membership.release(out)
         if self._sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
             # rather than at the first such call.
-            graph.set_enabled(PADDING, False)
-            graph.set_enabled(PADDING, True)
+            for g in (graph, *bucket.tiers):
+                g.set_enabled(PADDING, False)
+                g.set_enabled(PADDING, True)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
         bucket.leaves = leaves
         bucket.captured = True
@@ -372,6 +389,32 @@ class GraphRunner:
         ):
             out = self._padded_forward(n, views)
         return graph, out
+
+    def _capture_tier(self, n: int, outputs: Any, live: Any) -> BreakableGraph | None:
+        """A staged tier of bucket ``n``: its forward captured with ``live``, ending with a copy of
+        its outputs into ``outputs`` (the bucket's, held meanwhile); None (logged) when it
+        captured no staged breakpoint inline, or its capture failed."""
+        static, sanitizer = self._setup()
+        views = static.load_example(n)
+        sanitizer.set_rows(n)
+        graph = BreakableGraph()
+        try:
+            with torch.no_grad(), capture(
+                graph, pool=self._pool, stream=self._stream, capture_error_mode=self._capture_error_mode,
+                live=live, ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
+            ):
+                copy_outputs_into(outputs, self._padded_forward(n, views), "a staged tier")
+        except Exception as exc:  # the bucket's own graph is captured: it serves the calls instead
+            log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",
+                        self.name, n, type(exc).__name__, exc)
+            graph.reset()
+            return None
+        if not graph.staged:
+            log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier ran no staged breakpoint inline (its "
+                        "live metadata does not fit its own bounds), skipped", self.name, n)
+            graph.reset()
+            return None
+        return graph
 
     def _finish_bucket(self, bucket: _Bucket) -> None:
         """After all captures: how to slice the bucket's outputs."""
@@ -484,6 +527,10 @@ class GraphRunner:
             static, sanitizer = self._static, self._sanitizer
             assert static is not None and sanitizer is not None
             graph = chosen.graph
+            for tier in chosen.tiers:  # the first staged tier that fits (none with ranks=)
+                if tier.would_fall_back(live) is None:
+                    graph = tier
+                    break
             stream: int | None = None
             if graph is not None:
                 device = _current_device()
@@ -628,6 +675,13 @@ class GraphRunner:
             raise KeyError(f"no captured graph for bucket {bucket}")
         return b.graph
 
+    def tiers(self, bucket: int) -> list[BreakableGraph]:
+        """The staged tiers of ``bucket``, in the order calls try them (see :class:`bcg.StagedTiers`)."""
+        b = self._buckets.get(bucket)
+        if b is None:
+            raise KeyError(f"{bucket} is not a bucket of the ladder {self._buckets_list}")
+        return list(b.tiers)
+
     def input_buffers(self, T: int) -> tuple[Any, ...]:
         """Inputs for a call with ``T`` rows that the call does not copy: the first ``T`` rows of
         the static input buffers of ``T``'s bucket (by-reference and value inputs as given).
@@ -700,8 +754,10 @@ class GraphRunner:
         ``replays`` ({bucket: calls}), ``calls``, ``graph_calls``,
         ``padding_ratio`` (padded rows / bucket rows over graph calls),
         ``captured_buckets``, ``failed_buckets``, ``mode``, ``buckets``;
-        ``inline_replays`` (graph calls whose staged breakpoints ran inline) and
-        ``staged_fallbacks`` ({reason: graph calls that ran the breakable form});
+        ``inline_replays`` (graph calls whose staged breakpoints ran inline),
+        ``tier_replays`` (those of them that ran a staged tier, see
+        :class:`bcg.StagedTiers`) and ``staged_fallbacks`` ({reason: graph
+        calls that ran the breakable form});
         ``variants`` (keyed breakpoints, over every bucket's graphs: ``hits`` and
         ``misses`` (step calls), ``hit_rate``, ``captures``, ``stitched_replays``,
         ``evictions``, ``cache_bytes`` (variant pools and stitched executables)
@@ -710,7 +766,8 @@ class GraphRunner:
         """
         pool = self._pool_bytes()
         alone = self._largest_alone
-        staged = [x.graph.staged_replays() for x in self._buckets.values() if x.graph is not None]
+        staged = [g.staged_replays() for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
+        tier_replays = sum(t.staged_replays()[0] for x in self._buckets.values() for t in x.tiers)
         staged_fallbacks: dict[str, int] = {}
         for _, fallbacks in staged:
             for reason, count in fallbacks.items():
@@ -731,6 +788,7 @@ class GraphRunner:
             "fallbacks": dict(self._fallbacks),
             "padding_ratio": 1 - self._real_rows / self._padded_rows if self._padded_rows else 0.0,
             "inline_replays": sum(inline for inline, _ in staged),
+            "tier_replays": tier_replays,
             "staged_fallbacks": staged_fallbacks,
             "variants": self._variant_stats(),
         }
@@ -771,6 +829,9 @@ class GraphRunner:
         with self._lock.lock:
             for bucket in self._buckets.values():
                 bucket.leaves = None
+                for tier in bucket.tiers:
+                    tier.reset()
+                bucket.tiers = []
                 if bucket.graph is not None:
                     bucket.graph.reset()
                     bucket.graph = None

@@ -30,7 +30,10 @@ Staged attention (modes ``bcg-staged``, ``bcg-staged-compile``; ``flash`` and
 captured inline in the graph. Its live metadata is host-only (the lengths); one
 ``prepare`` per forward writes ``cu_seqlens`` for ``--slots`` request slots into
 a :class:`bcg.StagingBuffer`, and ``max_seqlen`` is bounded by the bucket size.
-A batch of more requests than slots runs the breakable form.
+Each runner bucket also keeps staged tiers (:class:`bcg.StagedTiers`) for fewer
+slots (``--slot-tiers``, default the powers of two from 2 below ``--slots``): a
+batch runs the first whose slots hold its requests, so it does not pay for
+empty slots. A batch of more requests than ``--slots`` runs the breakable form.
 """
 
 from __future__ import annotations
@@ -103,6 +106,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def slot_tiers(text: str) -> list[int]:
+    """``--slot-tiers``: comma-separated slot counts, or ``none``."""
+    return [] if text.strip().lower() == "none" else int_list(text)
+
+
+def default_slot_tiers(slots: int) -> list[int]:
+    """The powers of two from 2 below ``slots``: the staged tiers captured by default."""
+    return [k for k in (2 ** i for i in range(1, slots.bit_length())) if k < slots]
+
+
 def attn_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in values if v not in ATTN]
@@ -147,6 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slots", type=positive_int, default=8, metavar="R",
                    help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
                    "requests replays the breakable form (default 8)")
+    g.add_argument("--slot-tiers", type=slot_tiers, default=None, metavar="K,...",
+                   help="slot counts below R captured as staged tiers of each runner bucket "
+                   "(bcg.StagedTiers): a batch of at most K requests replays the K-slot form "
+                   "(default: the powers of two from 2 below R; 'none': no tiers)")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -187,6 +204,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     if small:
         return (f"--tokens {','.join(map(str, small))} is smaller than --requests {args.requests}: "
                 "every request needs at least one token")
+    big = [k for k in tiers_of(args) if k >= args.slots]
+    if big:
+        return (f"--slot-tiers {','.join(map(str, big))} must be below --slots {args.slots}: a tier is a "
+                "staged form with fewer slots than the bucket's own")
     return None
 
 
@@ -217,6 +238,12 @@ def points(args: argparse.Namespace) -> list[tuple[str | None, int | None]]:
     return [(attn, T) for attn in args.attn for T in args.tokens]
 
 
+def tiers_of(args: argparse.Namespace) -> list[int]:
+    """The staged tiers' slot counts (``--slot-tiers``, else the default for ``--slots``)."""
+    tiers = getattr(args, "slot_tiers", None)
+    return list(tiers) if tiers is not None else default_slot_tiers(args.slots)
+
+
 def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {
         "shape_preset": args.shape,
@@ -226,6 +253,7 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "requests": args.requests,
         "attn": list(args.attn),
         "slots": args.slots,
+        "slot_tiers": tiers_of(args),
         "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
     }
 
@@ -240,10 +268,12 @@ def _dtype(device: torch.device) -> torch.dtype:
 @dataclass(frozen=True)
 class Batch:
     """The live metadata of one forward: request lengths (host ints) and, on a GPU,
-    ``cu_seqlens`` on the device, built once per forward as serving engines do."""
+    ``cu_seqlens`` on the device, built once per forward as serving engines do.
+    ``slots``: at a staged capture only, the request slots to capture for (a staged tier)."""
 
     lengths: tuple[int, ...]
     cu: torch.Tensor | None = None
+    slots: int | None = None
 
     @property
     def max_len(self) -> int:
@@ -658,17 +688,27 @@ class StagedAttention:
             for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
         }
 
-    def fits(self, batch: Batch) -> bool:
-        """Whether ``batch``'s requests fit the slots (else bcg replays the breakable form)."""
-        return len(batch.lengths) <= self.slots
+    def fits(self, batch: Batch, staged: StagedBatch) -> bool:
+        """Whether ``batch``'s requests fit the slots of the graph captured with ``staged`` (else
+        bcg tries the next tier, then replays the breakable form)."""
+        return len(batch.lengths) <= staged.cu.shape[0] - 1
 
     def prepare(self, batch: Batch) -> StagedBatch:
-        """Write ``batch``'s :func:`padded_offsets` into the staging buffer (host only) and return
-        what the inline attention reads: the buffer's device tensor and ``max_len`` = the total
-        tokens. Only the capture's return value is used: there the total is the bucket size,
-        a bound on the longest request of any batch the graph replays."""
+        """Write ``batch``'s :func:`padded_offsets` over all slots into the staging buffer (host
+        only) and return what the inline attention reads: the buffer's first ``batch.slots + 1``
+        offsets (all of them when ``slots`` is None), and ``max_len`` = the total tokens. Only
+        the capture's return value is used: there the total is the bucket size, a bound on the
+        longest request of any batch the graph replays, and the offsets a prefix that a tier's
+        kernels read as its fewer slots."""
         self.cu.write(padded_offsets(batch.lengths, self.slots))
-        return StagedBatch(self.cu.device, sum(batch.lengths))
+        slots = self.slots if batch.slots is None else min(batch.slots, self.slots)
+        return StagedBatch(self.cu.device[: slots + 1], sum(batch.lengths))
+
+    def capture_lives(self, n: int, lengths_for: Any, tiers: Sequence[int]) -> bcg.StagedTiers:
+        """The capture-time batches of a runner bucket of ``n`` tokens: one per tier of ``tiers``
+        slots (``lengths_for(n, k)``: ``n`` tokens in at most ``k`` requests), then the bucket's own."""
+        lives = [Batch(tuple(lengths_for(n, k)), slots=k) for k in sorted(tiers) if k < self.slots]
+        return bcg.StagedTiers(*lives, Batch(tuple(lengths_for(n, self.slots))))
 
 
 def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
@@ -717,8 +757,8 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     def make_forward_no_reduce(bp: Any) -> Any:
         return lambda x, pos: model.forward(x, pos, bp, model.regions_no_reduce)
 
-    def lengths_for(n: int) -> tuple[int, ...]:  # a runner's batch of n tokens
-        return tuple(request_lengths(n, min(args.requests, n), args.seed))
+    def lengths_for(n: int, most: int | None = None) -> tuple[int, ...]:  # a runner's batch of n tokens
+        return tuple(request_lengths(n, min(args.requests, n, most or n), args.seed))
 
     bp = BREAKPOINTS[attn]
     case = Case(
@@ -757,12 +797,13 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
+        staged = model.staged_attention(args.slots)
         case.staged = dataclasses.replace(
             case,
-            bp=model.staged_attention(args.slots).breakpoints[attn],
+            bp=staged.breakpoints[attn],
             live=Batch(lengths),
             new_live=lambda: Batch(lengths),
-            live_for=lambda n: Batch(lengths_for(n)),
+            live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args)),
         )
     return case
 
@@ -792,8 +833,9 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
     if (args.modes is None or "bcg-staged" in args.modes) and varlen_usable(device):
         staged = out["runner_staged"] = _ladder(model, args, device, None, staged=True)
         staged["pool_ratio_to_breakable"] = staged["pool_mib_total"] / out["runner"]["pool_mib_total"]
-        staged["note_staged"] = ("staged varlen attention: each bucket holds its inline form and its breakable "
-                                 "form in the one pool; pool_ratio_to_breakable compares with 'runner'")
+        staged["note_staged"] = ("staged varlen attention: each bucket holds its inline form, its staged tiers "
+                                 f"({tiers_of(args)} slots) and its breakable form in the one pool; "
+                                 "pool_ratio_to_breakable compares with 'runner'")
     if (args.modes is None or "bcg-compile" in args.modes) and compile_usable(device) is None:
         with _cold_compile_caches():
             out["runner_compile"] = _ladder(model, args, device, model.compiled_regions(fresh=True))
@@ -817,11 +859,17 @@ def _ladder(
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
-    bp = model.staged_attention(args.slots).breakpoints["varlen"] if staged else attention_varlen
+    staged_attention = model.staged_attention(args.slots)
+    bp = staged_attention.breakpoints["varlen"] if staged else attention_varlen
+
+    def lengths_for(n: int, most: int | None = None) -> tuple[int, ...]:
+        return tuple(request_lengths(n, min(args.requests, n, most or n), args.seed))
 
     def live_for(n: int) -> Batch:
-        lengths = tuple(request_lengths(n, min(args.requests, n), args.seed))
-        return Batch(lengths) if staged else Batch.build(lengths, device)
+        return Batch(lengths_for(n)) if staged else Batch.build(lengths_for(n), device)
+
+    def capture_live(n: int) -> Any:  # the staged form's tiers too
+        return staged_attention.capture_lives(n, lengths_for, tiers_of(args)) if staged else live_for(n)
 
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return model.forward(x, pos, bp, regions)
@@ -830,7 +878,8 @@ def _ladder(
     if regions is not None:
         # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
         section.update(compiling_call(forward, (x, pos), live_for(buckets[-1]), torch.cuda.synchronize))
-    runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=live_for, progress=False)
+    runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=capture_live,
+                             progress=False)
     graphs0 = dynamo_graphs() if regions is not None else 0
     t0 = time.perf_counter()
     runner.capture()
