@@ -52,6 +52,7 @@ pieces = {
     "misfit": lambda: stager.misfit(live),
     "prepare": lambda: stager.prepare(live),
     "slice": lambda: runner._slice(b, b.leaves, T, False, True),
+    "tier choice": lambda: [t.would_fall_back(live) for t in b.tiers],
     "views_safe": runner._lock.views_safe,
     "stats_counters": lambda: None,
 }
@@ -75,4 +76,5 @@ for r in range(2):
           "floor", med(fl.run, wait=False), flush=True)
     print("wall us: runner", med(lambda: runner(*inputs, live=st.fresh_live())), "graph.replay", med(lambda: g.replay(live)),
           "executor.run", med(g._executor.run), "floor", med(fl.run), flush=True)
+print("tiers", [t.staged_replays() for t in b.tiers], "main", g.staged_replays())
 print("nodes", [s.nodes for s in g.segments], "switchable", [{k: len(v) for k, v in s.switchable.items()} for s in g.segments])

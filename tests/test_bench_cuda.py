@@ -77,16 +77,17 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
 
 
 def test_staged_falls_back_when_the_requests_exceed_the_slots(tmp_path: Path) -> None:
-    """4 requests, 2 slots: every replay runs the breakable form, still correct."""
+    """4 requests, 2 slots (no tiers below 2): every replay runs the breakable form, still correct."""
     rc = cli.main(["--workload", "llama", "--tokens", "64", "--attn", "flash,varlen", "--modes", "bcg-staged",
                    "--slots", "2", "--ladder-max", "0", *TINY, "--out", str(tmp_path)])
     doc, rows = _rows(tmp_path)
     assert rc == 0 and doc["errors"] == []
     assert [r["attn"] for r in rows] == ["flash", "varlen"] and doc["config"]["llama"]["slots"] == 2
     for row in rows:
-        # the capture's own metadata (4 requests) does not fit 2 slots: the bucket is captured in
-        # its breakable form only (logged), so nothing runs inline and nothing counts as a fallback
-        assert row["inline_fraction"] == 0.0 and row["staged_fallbacks"] == {}, row
+        # the capture's metadata has as many requests as fit the slots (2): the bucket has its
+        # inline form, and every replay (4 requests) falls back to the breakable form, counted
+        assert row["inline_fraction"] == 0.0, row
+        assert list(row["staged_fallbacks"]) == [f"attention_{row['attn']}_staged does not fit"], row
         assert row["rel_err"] == 0.0, row  # the breakable form runs the eager kernels
 
 
