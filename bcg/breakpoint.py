@@ -184,15 +184,16 @@ class BreakpointSpec:
 
     @functools.cached_property
     def fits_reads_staged(self) -> bool:
-        """Whether ``fits`` takes a second argument: what ``prepare`` returned at capture."""
+        """Whether ``fits`` requires a second positional argument: what ``prepare`` returned at capture."""
         if self.fits is None:
             return False
         try:
             params = inspect.signature(self.fits).parameters.values()
         except (TypeError, ValueError):  # no signature (a builtin): called with live alone
             return False
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+        required = [p for p in params
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        return len(required) >= 2
 
     def is_enabled(self) -> bool:
         return bool(self.enabled() if callable(self.enabled) else self.enabled)

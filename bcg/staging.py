@@ -148,8 +148,8 @@ def stage(spec: BreakpointSpec, live: Any) -> tuple[Any, list[StagingBuffer]]:
 class Stager:
     """The staged breakpoints of one recording: what a replay asks and prepares before launching.
 
-    Each distinct ``fits`` is asked, and each distinct ``prepare`` run, once per
-    replay, in the order the recording first met them. Functions are told
+    Each distinct ``fits`` is asked (a two-argument one once per staged value
+    it checks against), and each distinct ``prepare`` run, once per replay, in the order the recording first met them. Functions are told
     apart by ``==``, so ``obj.prepare`` (a new bound-method object at each
     access) counts once.
     """
@@ -201,17 +201,24 @@ class Stager:
         metadata and its buffers are uploaded (captured into the segment when
         capturing); its return value, frozen from then on, is what
         ``bcg.live()`` returns inside ``spec``. Returns :data:`NOT_INLINE`, and
-        runs nothing, when that metadata does not ``fit`` (logged once per name):
-        the caller records ``spec`` as a breakpoint instead.
+        uploads nothing, when that metadata does not ``fit`` (logged once per name):
+        the caller records ``spec`` as a breakpoint instead. A two-argument ``fits``
+        is asked after ``prepare`` ran (its bounds are what ``prepare`` returns);
+        a ``prepare`` that raises then counts as not fitting.
         """
         assert spec.fits is not None and spec.prepare is not None
         value = live(static_ok=True)
         i = self._index(spec)
         staged, written = (self._values[i], []) if i is not None else (None, None)
         if spec.fits_reads_staged:
+            fits = True
             if i is None:  # its bounds are what prepare returns: stage first (uploaded only if it fits)
-                staged, written = recorder.run_breakpoint(stage, (spec, value), {})
-            fits = spec.fits(value, staged)
+                try:
+                    staged, written = recorder.run_breakpoint(stage, (spec, value), {})
+                except Exception as exc:  # a prepare that refuses metadata past its bounds
+                    log.debug("bcg: staged breakpoint %r: prepare raised %r: taken as not fitting", spec.name, exc)
+                    fits = False
+            fits = fits and spec.fits(value, staged)
         else:
             fits = spec.fits(value)
         if not fits:
@@ -260,6 +267,9 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
         if not lives:
             raise ValueError("StagedTiers needs at least one live value (the bucket's own, last)")
         return super().__new__(cls, lives)
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle: the values, not one tuple of them
+        return tuple(self)
 
 
 NOT_INLINE: Any = object()

@@ -164,6 +164,7 @@ def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
     assert tiers[-1] == llama.Batch(lengths) and all(sum(b.lengths) == 32 for b in tiers)
     assert [len(b.lengths) for b in tiers] == [2, min(4, len(lengths)), len(lengths)]
     assert all(sum(b.lengths) == 20 for b in staged.live_for(20))
+    assert [b.slots for b in staged.live_for(2)] == [2, None]  # 2 tokens: the 2-slot tier serves every batch
     # without a usable kernel, the staged breakpoint's function takes the host-only batch
     fwd, ref_fwd = staged.forward(staged.bp), case.forward(case.bp)
     with bcg.live_scope(staged.live):

@@ -84,6 +84,60 @@ def test_eager_mode_stages_once_per_run_when_it_fits_and_uses_the_real_metadata_
             torch.testing.assert_close(out, fn(x))  # the plain call: real metadata, no prepare
 
 
+class _CheckedStaging(_Staging):
+    """A ``fits`` that reads what ``prepare`` returned; a ``prepare`` that refuses too many requests."""
+
+    def prepare(self, lengths: tuple[int, ...]) -> dict:
+        if len(lengths) > SLOTS:
+            raise ValueError(f"{len(lengths)} requests do not fit {SLOTS} slots")
+        return {**super().prepare(lengths), "slots": SLOTS}
+
+    @staticmethod
+    def fits(lengths: tuple[int, ...], staged: dict) -> bool:  # type: ignore[override]
+        return len(lengths) <= staged["slots"]
+
+
+def test_a_fits_reading_the_staged_value_runs_inline_or_falls_back_like_a_plain_one() -> None:
+    """``fits(live, staged)``: eager mode stages when it fits and, when it does not (the
+    ``prepare`` refuses), runs the real metadata, as with ``fits(live)``."""
+    staging, seen = _CheckedStaging(), []
+    fn = _make(staging, seen)
+    x = torch.randn(12, 5)
+    graph = bcg.make_graph(fn, x, mode="eager", live=(4, 8))
+    assert graph.num_breakpoints == 0
+    for lengths in [(3, 3, 6), (2, 2, 2, 6), (12,), (1, 1, 1, 1, 8)]:
+        x.copy_(torch.randn(12, 5))
+        seen.clear()
+        out = graph.replay(lengths)
+        fits = len(lengths) <= SLOTS
+        assert seen == [fits, fits]
+        with bcg.live_scope(lengths):
+            torch.testing.assert_close(out, fn(x))
+    graph = bcg.make_graph(fn, x, mode="eager", live=(1, 1, 1, 1, 8))  # recorded with metadata past the bound
+    assert graph.num_breakpoints == 2 and seen[-2:] == [False, False]
+
+
+def test_fits_arity_counts_required_positional_arguments() -> None:
+    def spec(fits):  # noqa: ANN001, ANN202
+        return bcg.breakpoint(prepare=lambda live: live, fits=fits)(lambda: None).__bcg_breakpoint__
+
+    assert not spec(lambda live: True).fits_reads_staged
+    assert not spec(lambda live, strict=False: True).fits_reads_staged
+    assert spec(lambda live, staged: True).fits_reads_staged
+
+
+def test_staged_tiers_hold_their_values_and_copy_as_such() -> None:
+    import copy
+    import pickle
+
+    tiers = bcg.StagedTiers((1,), (2, 2), (4, 4))
+    assert tuple(tiers) == ((1,), (2, 2), (4, 4))
+    for other in (copy.copy(tiers), copy.deepcopy(tiers), pickle.loads(pickle.dumps(tiers))):
+        assert isinstance(other, bcg.StagedTiers) and tuple(other) == tuple(tiers)
+    with pytest.raises(ValueError, match="at least one"):
+        bcg.StagedTiers()
+
+
 def test_plain_calls_never_prepare() -> None:
     staging, seen = _Staging(), []
     fn = _make(staging, seen)

@@ -194,7 +194,6 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         assert [t.staged for t in runner.tiers(n)] == [("attn",), ("attn",)]
     rng = random.Random(3)
     ran = {1: 0, 2: 0}
-    outputs = {}
     for i in range(60):
         n = buckets[i % 2]
         requests = [1, 2, 3, 4, 5][i % 5]
@@ -209,12 +208,12 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         assert [b - a for a, b in zip(before, after)] == expected, (i, requests)
         if requests <= 2:
             ran[requests] += 1
-        assert outputs.setdefault((n, T), y.data_ptr()) == y.data_ptr()  # the bucket's outputs, whichever ran
     stats = runner.stats()
     assert stats["tier_replays"] == ran[1] + ran[2] == 24
     assert stats["inline_replays"] == 48 and stats["staged_fallbacks"] == {"attn does not fit": 12}
+    tiers = runner.tiers(32) + runner.tiers(128)
     runner.reset()
-    assert runner.tiers(32) == []
+    assert runner.tiers(32) == [] and not any(t.is_captured for t in tiers)  # freed with the runner
 
 
 def test_padded_rows_carry_no_nan_under_poison(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ from bcg.cudart import stream_readers
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
-from bcg.staging import StagedTiers
+from bcg.staging import StagedTiers, StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -299,6 +299,9 @@ class GraphRunner:
                 except Exception as exc:
                     if vote is not None:
                         vote.fail()
+                    for tier in bucket.tiers:
+                        tier.reset()
+                    bucket.tiers = []
                     if bucket.graph is not None:
                         bucket.graph.reset()  # captured here, failed on another rank
                     bucket.failure = f"{type(exc).__name__}: {exc}"
@@ -353,13 +356,14 @@ class GraphRunner:
                 ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
                 barrier=self._barrier,
             )
-        if graph.staged:
             tier_lives = self._lives_for(n)[:-1]
             if tier_lives and self._ranks is not None:
                 log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= (every rank must "
                          "replay the same form)", self.name, n)
-            elif tier_lives:
-                bucket.tiers = [t for t in (self._capture_tier(n, out, live) for live in tier_lives) if t is not None]
+            for live in tier_lives if self._ranks is None else ():
+                tier = self._capture_tier(n, out, live, graph.staged)
+                if tier is not None:
+                    bucket.tiers.append(tier)
         graph.outputs = membership.release(out)
         if self._sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
@@ -390,15 +394,23 @@ class GraphRunner:
             out = self._padded_forward(n, views)
         return graph, out
 
-    def _capture_tier(self, n: int, outputs: Any, live: Any) -> BreakableGraph | None:
-        """A staged tier of bucket ``n``: its forward captured with ``live``, ending with a copy of
-        its outputs into ``outputs`` (the bucket's, held meanwhile); None (logged) when it
-        captured no staged breakpoint inline, or its capture failed."""
-        static, sanitizer = self._setup()
-        views = static.load_example(n)
-        sanitizer.set_rows(n)
+    def _capture_tier(self, n: int, outputs: Any, live: Any, staged: tuple[str, ...]) -> BreakableGraph | None:
+        """A staged tier of bucket ``n``: its forward warmed up, then captured, with ``live``,
+        ending with a copy of its outputs into ``outputs`` (the bucket's, held meanwhile);
+        None (logged) when a staged breakpoint did not run inline, or a step failed."""
         graph = BreakableGraph()
         try:
+            static, sanitizer = self._setup()
+            views = static.load_example(n)
+            sanitizer.set_rows(n)
+            assert self._stream is not None
+            current = torch.cuda.current_stream(self._device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream), recording(StagedWarmup(), live), torch.no_grad():
+                self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
+            current.wait_stream(self._stream)
+            views = static.load_example(n)  # (the warm-up may have written them)
+            sanitizer.set_rows(n)
             with torch.no_grad(), capture(
                 graph, pool=self._pool, stream=self._stream, capture_error_mode=self._capture_error_mode,
                 live=live, ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
@@ -409,9 +421,9 @@ class GraphRunner:
                         self.name, n, type(exc).__name__, exc)
             graph.reset()
             return None
-        if not graph.staged:
-            log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier ran no staged breakpoint inline (its "
-                        "live metadata does not fit its own bounds), skipped", self.name, n)
+        if set(graph.staged) != set(staged):
+            log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier did not capture every staged breakpoint "
+                        "inline (its live metadata does not fit its own bounds), skipped", self.name, n)
             graph.reset()
             return None
         return graph
@@ -800,7 +812,8 @@ class GraphRunner:
             if x.graph is None:
                 continue
             entry: dict[str, Any] = {}
-            for name, g in (("graph", x.graph), ("fallback", x.graph.fallback)):
+            tiers = [(f"tier{i}", t) for i, t in enumerate(x.tiers)]
+            for name, g in (("graph", x.graph), ("fallback", x.graph.fallback), *tiers):
                 if g is not None and g.variants is not None:
                     entry[name] = g.variants.stats()
                     caches.append(entry[name])

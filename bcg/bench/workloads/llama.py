@@ -707,7 +707,11 @@ class StagedAttention:
     def capture_lives(self, n: int, lengths_for: Any, tiers: Sequence[int]) -> bcg.StagedTiers:
         """The capture-time batches of a runner bucket of ``n`` tokens: one per tier of ``tiers``
         slots (``lengths_for(n, k)``: ``n`` tokens in at most ``k`` requests), then the bucket's own."""
-        lives = [Batch(tuple(lengths_for(n, k)), slots=k) for k in sorted(tiers) if k < self.slots]
+        lives = []
+        for k in sorted({k for k in tiers if k < self.slots}):
+            lives.append(Batch(tuple(lengths_for(n, k)), slots=k))
+            if k >= n:  # n tokens hold at most n requests: this tier serves every batch that fits
+                break
         return bcg.StagedTiers(*lives, Batch(tuple(lengths_for(n, self.slots))))
 
 
