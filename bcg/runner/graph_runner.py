@@ -558,7 +558,7 @@ class GraphRunner:
             else:
                 static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
             if self._sanitize:
-                sanitizer.set_rows(T, stream)  # always: a stitched launch runs the zeroing too
+                sanitizer.set_rows(T, stream)  # every call (written if it changed): a stitched launch runs the zeroing too
             if graph is not None:
                 if self._sanitize:
                     graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
