@@ -149,9 +149,10 @@ class Stager:
     """The staged breakpoints of one recording: what a replay asks and prepares before launching.
 
     Each distinct ``fits`` is asked (a two-argument one once per staged value
-    it checks against), and each distinct ``prepare`` run, once per replay, in the order the recording first met them. Functions are told
-    apart by ``==``, so ``obj.prepare`` (a new bound-method object at each
-    access) counts once.
+    it checks against), and each distinct ``prepare`` run, once per replay, in
+    the order the recording first met them. Functions are told apart by
+    ``==``, so ``obj.prepare`` (a new bound-method object at each access)
+    counts once.
     """
 
     def __init__(self) -> None:

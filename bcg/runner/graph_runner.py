@@ -338,7 +338,8 @@ class GraphRunner:
             bucket.captured = True
             return
         del out
-        graph, out = self._capture_graph(n, self._pool)
+        graph = BreakableGraph()
+        out = self._capture_graph(graph, n, self._pool, self._live_for(n))
         bucket.graph = graph
         # The static outputs live in the pool; hold them through non-owning aliases so the
         # buckets captured next reuse their memory (outputs are valid until the next call).
@@ -375,24 +376,29 @@ class GraphRunner:
         bucket.leaves = leaves
         bucket.captured = True
 
-    def _capture_graph(self, n: int, pool: PoolHandle | None) -> tuple[BreakableGraph, Any]:
+    def _capture_graph(self, graph: BreakableGraph, n: int, pool: PoolHandle | None, live: Any,
+                       into: Any = None) -> Any:
+        """Capture the padded forward at size ``n`` into ``graph`` with ``live``; return its outputs
+        (``into``: copied there at the graph's end, and ``into`` returned)."""
         static, sanitizer = self._setup()
         views = static.load_example(n)
         sanitizer.set_rows(n)
-        graph = BreakableGraph()
         with torch.no_grad(), capture(
             graph,
             pool=pool,
             stream=self._stream,
             capture_error_mode=self._capture_error_mode,
-            live=self._live_for(n),
+            live=live,
             ownership="pool",
             after_breakpoint=sanitizer.hook(n),
             variants=self._variants,
             barrier=self._barrier,
         ):
             out = self._padded_forward(n, views)
-        return graph, out
+            if into is not None:
+                copy_outputs_into(into, out, "a staged tier")
+                out = into
+        return out
 
     def _capture_tier(self, n: int, outputs: Any, live: Any, staged: tuple[str, ...]) -> BreakableGraph | None:
         """A staged tier of bucket ``n``: its forward warmed up, then captured, with ``live``,
@@ -409,13 +415,7 @@ class GraphRunner:
             with torch.cuda.stream(self._stream), recording(StagedWarmup(), live), torch.no_grad():
                 self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
             current.wait_stream(self._stream)
-            views = static.load_example(n)  # (the warm-up may have written them)
-            sanitizer.set_rows(n)
-            with torch.no_grad(), capture(
-                graph, pool=self._pool, stream=self._stream, capture_error_mode=self._capture_error_mode,
-                live=live, ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
-            ):
-                copy_outputs_into(outputs, self._padded_forward(n, views), "a staged tier")
+            self._capture_graph(graph, n, self._pool, live, into=outputs)
         except Exception as exc:  # the bucket's own graph is captured: it serves the calls instead
             log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",
                         self.name, n, type(exc).__name__, exc)
@@ -477,7 +477,8 @@ class GraphRunner:
             if not sanitizer.has_run(n):
                 self._run_recorded(n)
             pool = graph_pool_handle()
-            graph, out = self._capture_graph(n, pool)
+            graph = BreakableGraph()
+            out = self._capture_graph(graph, n, pool, self._live_for(n))
             try:
                 size = pool_bytes(pool, self._device.index)
             finally:
