@@ -43,6 +43,8 @@ class GraphStats:
     that ran the breakable form instead, by reason. ``variants``: the keyed
     breakpoints' keys, hits, variants and stitched executables (see
     :meth:`bcg.variants.VariantCache.stats`; None without keyed breakpoints).
+    ``disabled``: the node groups replays skip now (:meth:`BreakableGraph.set_enabled`);
+    ``trimmed_executables``: the executables built without skipped groups, over all segments.
     """
 
     mode: str
@@ -58,6 +60,8 @@ class GraphStats:
     staged: tuple[str, ...] = ()
     inline_replays: int = 0
     fallback_replays: dict[str, int] = field(default_factory=dict)
+    disabled: tuple[str, ...] = ()
+    trimmed_executables: int = 0
     variants: dict[str, Any] | None = None
 
 
@@ -226,6 +230,8 @@ class BreakableGraph:
             inline_replays=self._inline_replays,
             fallback_replays=dict(self._fallback_replays),
             variants=self.variants.stats() if self.variants is not None else None,
+            disabled=tuple(sorted(self._disabled)),
+            trimmed_executables=sum(len(s.trimmed) for s in segments),
         )
 
     # -- replay -------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Where a staged runner call spends its host time: each piece of ``GraphRunner.__call__`` timed
-alone in a loop (us per call, best of 5 loops: warm caches), then whole calls of the runner, the
-bare graph, its executor and the floor, with the GPU idle before each (cold), host only and to
+alone in a loop (us per call, best of 5 loops: warm caches) and right after a whole call with the GPU
+idle (cold, as a call starts); the GPU time of one call queued behind a spin kernel (the host ahead)
+for the runner, the executable of the tier it picks and the floor; then whole calls of the runner,
+the bare graph, its executors and the floor, with the GPU idle before each (cold), host only and to
 completion. A diagnostic that reaches into the runner's private state; not a bench row.
 Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen]``.
 """
@@ -69,10 +71,32 @@ def med(fn, n=60, wait=True):
         s.append((time.perf_counter() - t0) * 1e6)
     return round(statistics.median(s), 1)
 fl = modes._floor(case, registry.BuildContext(), compiled=False)
+tier = next((t for t in b.tiers if t.would_fall_back(live) is None), g)  # the graph a call runs
+call = lambda: runner(*inputs, live=st.fresh_live())
+
+def cold(piece, n=40):  # us of piece right after a whole call, the GPU idle (as a call starts)
+    s = []
+    for _ in range(n):
+        call(); torch.cuda.synchronize(); t0 = time.perf_counter_ns(); piece(); s.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return round(statistics.median(s), 2)
+
+print("cold pieces us:", {k: cold(pieces[k]) for k in ("pick_bucket", "tier choice", "serialize_streams", "set_enabled(noop)",
+                                                         "misfit", "prepare", "fresh_live")}, flush=True)
+
+def gpu_us(fn, n=20):  # GPU time of one replay queued behind a spin kernel (the host ahead)
+    s = []
+    for _ in range(n):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000); a.record(); fn(); z.record(); z.synchronize(); s.append(a.elapsed_time(z) * 1e3)
+    return round(statistics.median(s), 1)
+
+for r in range(2):
+    print("gpu us (host ahead): runner", gpu_us(call), "tier executor", gpu_us(tier._executor.run), "floor", gpu_us(fl.run), flush=True)
 for r in range(2):
     print("host-only us: runner", med(lambda: runner(*inputs, live=st.fresh_live()), wait=False),
           "graph.replay", med(lambda: g.replay(live), wait=False),
-          "executor.run", med(g._executor.run, wait=False),
+          "executor.run", med(g._executor.run, wait=False), "tier executor", med(tier._executor.run, wait=False),
           "floor", med(fl.run, wait=False), flush=True)
     print("wall us: runner", med(lambda: runner(*inputs, live=st.fresh_live())), "graph.replay", med(lambda: g.replay(live)),
           "executor.run", med(g._executor.run), "floor", med(fl.run), flush=True)

@@ -2,7 +2,9 @@
 of ``floor``, a bare staged graph and the staged runner under the profiler (behind a spin kernel, so
 the host is ahead), summed per kernel name; prints span, busy time and the largest differences.
 
-Run on a GPU: ``python benchmarks/kernel_diff.py 128 flash`` (T, then ``flash`` or ``varlen``).
+Run on a GPU: ``python benchmarks/kernel_diff.py 128 flash [compile] [slots=4]`` (T, then ``flash``
+or ``varlen``; ``compile``: over the compiled regions, against the compiled floor; ``slots=K``:
+the staged workload's ``--slots``).
 """
 import collections
 import json
@@ -16,14 +18,18 @@ from bcg.bench import cli, modes, registry
 from bcg.bench.workloads import llama
 
 T = int(sys.argv[1]); attn = sys.argv[2]
-args = cli.parse_args(["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"])
+compiled = "compile" in sys.argv[3:]
+slots = [a.split("=")[1] for a in sys.argv[3:] if a.startswith("slots=")]
+args = cli.parse_args(["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0",
+                       *(["--slots", slots[0]] if slots else [])])
 dev = torch.device("cuda")
 model = llama.setup(args, dev)
 case = llama.make_case(model, args, dev, attn, T)
 ctx = registry.BuildContext()
-built = {"floor": modes._floor(case, ctx, compiled=False),
-         "staged-graph": modes._bcg_graph(case.staged, ctx, None),
-         "staged": modes._bcg_staged(case, ctx, compiled=False)}
+built = {"floor": modes._floor(case, ctx, compiled=compiled),
+         "staged-graph": modes._bcg_graph(case.staged, ctx, None, compiled=compiled),
+         "staged": modes._bcg_staged(case, ctx, compiled=compiled)}
+print(f"T={T} {attn} compiled={compiled} slots={args.slots} tiers={llama.tiers_of(args)}")
 
 def prof(fn):
     for _ in range(5): fn()
@@ -43,16 +49,17 @@ def prof(fn):
         k = e["name"][:70]; agg[k][0] += 1; agg[k][1] += e["dur"]
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     busy = sum(e["dur"] for e in gpu)
-    return span, busy, len(gpu), agg
+    ends = [(e["name"][:50], round(e["dur"], 1)) for e in gpu[:3] + gpu[-3:]]  # first and last three ops
+    return span, busy, len(gpu), agg, ends
 
 res = {k: prof(b.run) for k, b in built.items()}
-for k, (span, busy, n, _) in res.items():
-    print(f"{k:14s} span {span:8.1f} busy {busy:8.1f} ops {n}")
+for k, (span, busy, n, _, ends) in res.items():
+    print(f"{k:14s} span {span:8.1f} busy {busy:8.1f} ops {n}  first/last {ends}")
 names = set().union(*(r[3].keys() for r in res.values()))
 rows = []
 for nm in names:
     f = res["floor"][3].get(nm, [0, 0.0]); s = res["staged-graph"][3].get(nm, [0, 0.0]); r = res["staged"][3].get(nm, [0, 0.0])
-    rows.append((s[1] - f[1], nm, f, s, r))
+    rows.append((r[1] - f[1], nm, f, s, r))  # the runner (its staged tier, if any) against the floor
 rows.sort(key=lambda x: -abs(x[0]))
 for d, nm, f, s, r in rows[:14]:
     print(f"{d:8.1f}  floor {f[0]:4d} {f[1]:8.1f}  sgraph {s[0]:4d} {s[1]:8.1f}  srunner {r[0]:4d} {r[1]:8.1f}  {nm}")

@@ -250,18 +250,23 @@ class GraphRunner:
         sanitizer.set_rows(n)
         live = self._live_for(n)
         with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph") as recorder:
-            if self._mode == "graph":
-                assert self._stream is not None
-                current = torch.cuda.current_stream(self._device)
-                self._stream.wait_stream(current)
-                with torch.cuda.stream(self._stream):
-                    out = self._run_eager(n, views, live, recorder)
-                current.wait_stream(self._stream)
-            else:
+            with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
         leaves, spec = pytree.tree_flatten(out)
         self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
         return out
+
+    @contextlib.contextmanager
+    def _on_capture_stream(self) -> Iterator[None]:
+        """Run the block on the capture stream, after the current stream's queued work and before its next."""
+        assert self._stream is not None
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:
+            current.wait_stream(self._stream)
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> GraphRunner:
@@ -409,12 +414,8 @@ class GraphRunner:
             static, sanitizer = self._setup()
             views = static.load_example(n)
             sanitizer.set_rows(n)
-            assert self._stream is not None
-            current = torch.cuda.current_stream(self._device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream), recording(StagedWarmup(), live), torch.no_grad():
+            with self._on_capture_stream(), recording(StagedWarmup(), live), torch.no_grad():
                 self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
-            current.wait_stream(self._stream)
             self._capture_graph(graph, n, self._pool, live, into=outputs)
         except Exception as exc:  # the bucket's own graph is captured: it serves the calls instead
             log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",

@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import itertools
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +235,12 @@ def request_lengths(T: int, requests: int, seed: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def bucket_lengths(args: argparse.Namespace, n: int, most: int | None = None) -> tuple[int, ...]:
+    """The request lengths of a runner's batch of ``n`` tokens (a bucket's capture): ``--requests``
+    of them, at most ``most`` and at most ``n``."""
+    return tuple(request_lengths(n, min(args.requests, n, most or n), args.seed))
+
+
 def points(args: argparse.Namespace) -> list[tuple[str | None, int | None]]:
     return [(attn, T) for attn in args.attn for T in args.tokens]
 
@@ -285,8 +292,7 @@ class Batch:
         return Batch(lengths, cu_seqlens(lengths, device) if device.type == "cuda" else None)
 
 
-@dataclass(frozen=True)
-class StagedBatch:
+class StagedBatch(NamedTuple):  # a tuple: made at every replay's prepare, cheaply
     """What a staged attention reads when it runs inline (what its ``prepare`` returned at
     capture, frozen into the graph): ``cu_seqlens`` in a static device buffer, rewritten
     before every replay, and ``max_len``, a bound on the longest request."""
@@ -682,6 +688,7 @@ class StagedAttention:
     def __init__(self, slots: int, device: torch.device) -> None:
         self.slots = slots
         self.cu = bcg.StagingBuffer((slots + 1,), dtype=torch.int32, device=device)
+        self._prefixes: dict[int, torch.Tensor] = {}  # k -> cu.device[:k + 1], made once (a slice costs ~1 us)
         prepare, fits = self.prepare, self.fits  # one object each, shared by the breakpoints
         self.breakpoints: dict[str, Any] = {
             attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
@@ -702,7 +709,10 @@ class StagedAttention:
         kernels read as its fewer slots."""
         self.cu.write(padded_offsets(batch.lengths, self.slots))
         slots = self.slots if batch.slots is None else min(batch.slots, self.slots)
-        return StagedBatch(self.cu.device[: slots + 1], sum(batch.lengths))
+        prefix = self._prefixes.get(slots)
+        if prefix is None:
+            prefix = self._prefixes[slots] = self.cu.device[: slots + 1]
+        return StagedBatch(prefix, sum(batch.lengths))
 
     def capture_lives(self, n: int, lengths_for: Any, tiers: Sequence[int]) -> bcg.StagedTiers:
         """The capture-time batches of a runner bucket of ``n`` tokens: one per tier of ``tiers``
@@ -761,8 +771,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     def make_forward_no_reduce(bp: Any) -> Any:
         return lambda x, pos: model.forward(x, pos, bp, model.regions_no_reduce)
 
-    def lengths_for(n: int, most: int | None = None) -> tuple[int, ...]:  # a runner's batch of n tokens
-        return tuple(request_lengths(n, min(args.requests, n, most or n), args.seed))
+    lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
 
     bp = BREAKPOINTS[attn]
     case = Case(
@@ -866,8 +875,7 @@ def _ladder(
     staged_attention = model.staged_attention(args.slots)
     bp = staged_attention.breakpoints["varlen"] if staged else attention_varlen
 
-    def lengths_for(n: int, most: int | None = None) -> tuple[int, ...]:
-        return tuple(request_lengths(n, min(args.requests, n, most or n), args.seed))
+    lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
 
     def live_for(n: int) -> Batch:
         return Batch(lengths_for(n)) if staged else Batch.build(lengths_for(n), device)
