@@ -235,7 +235,8 @@ class BreakableGraph:
         )
 
     # -- replay -------------------------------------------------------------------------
-    def replay(self, live: Any = UNSET, *, breakable: bool = False, stitch: bool = True) -> Any:
+    def replay(self, live: Any = UNSET, *, breakable: bool = False, stitch: bool = True,
+               fits_checked: bool = False) -> Any:
         """Run segment, breakpoint, segment, ... on the current stream.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints during this
@@ -257,6 +258,8 @@ class BreakableGraph:
             breakable: replay the breakable form even when the staged metadata
                 fits (ranks that must agree: another rank's does not fit).
             stitch: allow one stitched launch (``False``: piecewise).
+            fits_checked: the caller found ``would_fall_back(live)`` None just
+                before, with this ``live``: ``fits`` is not asked again.
 
         Raises:
             VerificationError: an audit replay (``VariantPolicy.audit_every``)
@@ -274,7 +277,7 @@ class BreakableGraph:
             )
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
         if stager is not None:
-            reason = stager.misfit(live)
+            reason = None if fits_checked else stager.misfit(live)
             if reason is None and breakable:
                 reason = "another rank's metadata does not fit"
             if reason is not None:
@@ -327,6 +330,9 @@ class BreakableGraph:
         """
         if self._replaying:
             raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
+        fallback = self.fallback
+        if (label in self._disabled) != enabled and (fallback is None or (label in fallback._disabled) != enabled):
+            return True  # already so (each call at replay asks this)
         if self._executor is None:
             return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
         before = self._disabled

@@ -99,8 +99,10 @@ class StagingBuffer:
         if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device
             # synchronize, so nothing is queued then, and waiting is not allowed.) Replays
-            # skip the capture query: nothing records then.
-            self._read.synchronize()
+            # skip the capture query: nothing records then. (A query first: synchronize
+            # releases the GIL even when there is nothing to wait for.)
+            if not self._read.query():
+                self._read.synchronize()
         if isinstance(values, torch.Tensor):
             values = values.reshape(-1).tolist()
         if len(values) != len(self._host_numpy):

@@ -30,6 +30,8 @@ inputs = runner.input_buffers(T)
 live = st.fresh_live()
 b = runner._buckets[T]
 stager = g._parts.stager
+sa = stager._prepares[0].__self__  # the workload's StagedAttention
+offsets = llama.padded_offsets(live.lengths, sa.slots)
 gd, gs = stream_readers()
 s_raw = gs(0)
 
@@ -49,12 +51,16 @@ pieces = {
     "serialize_streams": lambda: runner._lock.serialize_streams(0),
     "static.write": lambda: runner._static.write(b.views, inputs, T, False, s_raw),
     "set_enabled(noop)": lambda: g.set_enabled(PADDING, False),
-    "agree": lambda: runner._agree_on_replay(g, live),
     "fresh_live": st.fresh_live,
     "misfit": lambda: stager.misfit(live),
     "prepare": lambda: stager.prepare(live),
     "slice": lambda: runner._slice(b, b.leaves, T, False, True),
     "tier choice": lambda: [t.would_fall_back(live) for t in b.tiers],
+    "prepare: event query": sa.cu._read.query,
+    "prepare: offsets": lambda: llama.padded_offsets(live.lengths, sa.slots),
+    "prepare: host write": lambda: sa.cu.write(offsets),
+    "empty call": lambda: None,
+    "current_stream": torch.cuda.current_stream,
     "views_safe": runner._lock.views_safe,
     "stats_counters": lambda: None,
 }
@@ -81,8 +87,7 @@ def cold(piece, n=40):  # us of piece right after a whole call, the GPU idle (as
     torch.cuda.synchronize()
     return round(statistics.median(s), 2)
 
-print("cold pieces us:", {k: cold(pieces[k]) for k in ("pick_bucket", "tier choice", "serialize_streams", "set_enabled(noop)",
-                                                         "misfit", "prepare", "fresh_live")}, flush=True)
+print("cold pieces us:", {k: cold(pieces[k]) for k in pieces if k not in ("check_inputs", "static.write")}, flush=True)
 
 def gpu_us(fn, n=20):  # GPU time of one replay queued behind a spin kernel (the host ahead)
     s = []

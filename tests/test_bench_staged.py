@@ -88,11 +88,12 @@ def test_staged_prepare_writes_padded_offsets_and_returns_the_bound() -> None:
 
     out = staged.prepare(llama.Batch((1, 1, 1, 5)))  # every slot used
     assert staged.cu.host.tolist() == [0, 1, 2, 3, 8]
-    assert out.max_len == 8 and out.cu.shape == (5,)
+    assert out.max_len == 8 and out.cu.shape == (5,) and out.slots == 4
 
     out = staged.prepare(llama.Batch((3, 4), slots=2))  # a tier's capture: all offsets written, 2 slots read
     assert staged.cu.host.tolist() == [0, 3, 7, 7, 7]
-    assert out.cu.shape == (3,) and out.cu.data_ptr() == staged.cu.device.data_ptr()
+    assert out.cu.shape == (3,) and out.cu.data_ptr() == staged.cu.device.data_ptr() and out.slots == 2
+    assert staged.prepare(llama.Batch((1, 6), slots=2)).cu is out.cu  # the same prefix view, kept
 
 
 def test_staged_fits_is_false_past_the_slots_of_the_capture() -> None:

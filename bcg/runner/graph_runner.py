@@ -541,9 +541,10 @@ class GraphRunner:
             static, sanitizer = self._static, self._sanitizer
             assert static is not None and sanitizer is not None
             graph = chosen.graph
+            fits_checked = False
             for tier in chosen.tiers:  # the first staged tier that fits (none with ranks=)
                 if tier.would_fall_back(live) is None:
-                    graph = tier
+                    graph, fits_checked = tier, True
                     break
             stream: int | None = None
             if graph is not None:
@@ -564,8 +565,11 @@ class GraphRunner:
             if graph is not None:
                 if self._sanitize:
                     graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
-                breakable, stitch = self._agree_on_replay(graph, live)
-                graph.replay(live, breakable=breakable, stitch=stitch)
+                if self._ranks is None:
+                    graph.replay(live, fits_checked=fits_checked)
+                else:
+                    breakable, stitch = self._agree_on_replay(graph, live)
+                    graph.replay(live, breakable=breakable, stitch=stitch)
                 leaves = chosen.leaves
             else:
                 hook = sanitizer.hook(n)
@@ -586,13 +590,11 @@ class GraphRunner:
     def _agree_on_replay(self, graph: BreakableGraph, live: Any) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
 
-        One all-reduce when the graph is staged or keyed and ranks are given; else the local
-        choice. Stitching is allowed only where every rank would stitch (a rank whose first
+        One all-reduce when the graph is staged or keyed; else the local choice. Stitching is allowed only where every rank would stitch (a rank whose first
         build of an executable the driver refuses still replays piecewise: the same
         collectives in the same order).
         """
-        if self._ranks is None:
-            return False, True
+        assert self._ranks is not None
         fallback = graph.fallback
         keyed = graph.variants is not None or (fallback is not None and fallback.variants is not None)
         if not (graph.staged or keyed):

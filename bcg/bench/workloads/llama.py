@@ -295,10 +295,12 @@ class Batch:
 class StagedBatch(NamedTuple):  # a tuple: made at every replay's prepare, cheaply
     """What a staged attention reads when it runs inline (what its ``prepare`` returned at
     capture, frozen into the graph): ``cu_seqlens`` in a static device buffer, rewritten
-    before every replay, and ``max_len``, a bound on the longest request."""
+    before every replay, ``max_len``, a bound on the longest request, and ``slots``, the
+    requests its kernels take (``cu`` holds ``slots + 1`` offsets)."""
 
     cu: torch.Tensor
     max_len: int
+    slots: int
 
 
 @dataclass
@@ -698,7 +700,7 @@ class StagedAttention:
     def fits(self, batch: Batch, staged: StagedBatch) -> bool:
         """Whether ``batch``'s requests fit the slots of the graph captured with ``staged`` (else
         bcg tries the next tier, then replays the breakable form)."""
-        return len(batch.lengths) <= staged.cu.shape[0] - 1
+        return len(batch.lengths) <= staged.slots
 
     def prepare(self, batch: Batch) -> StagedBatch:
         """Write ``batch``'s :func:`padded_offsets` over all slots into the staging buffer (host
@@ -712,7 +714,7 @@ class StagedAttention:
         prefix = self._prefixes.get(slots)
         if prefix is None:
             prefix = self._prefixes[slots] = self.cu.device[: slots + 1]
-        return StagedBatch(prefix, sum(batch.lengths))
+        return StagedBatch(prefix, sum(batch.lengths), slots)
 
     def capture_lives(self, n: int, lengths_for: Any, tiers: Sequence[int]) -> bcg.StagedTiers:
         """The capture-time batches of a runner bucket of ``n`` tokens: one per tier of ``tiers``
