@@ -164,23 +164,26 @@ def test_fifty_length_sets_per_bucket_from_one_to_all_slots() -> None:
 
 class TieredStaging(Staging):
     """The same offsets; a capture for fewer slots (``meta.slots``) reads their prefix, and
-    ``fits`` checks the slots of the capture it is asked for."""
+    ``fits`` checks the slots of the capture it is asked for (``fits_calls``: how often)."""
+
+    fits_calls = 0
 
     def prepare(self, meta: Meta) -> Meta:
         staged = super().prepare(meta)
         slots = meta.slots or SLOTS
         return Meta(meta.lengths, staged.cu[: slots + 1], bound=staged.bound)  # type: ignore[index]
 
-    @staticmethod
-    def fits(meta: Meta, staged: Meta) -> bool:  # type: ignore[override]
+    def fits(self, meta: Meta, staged: Meta) -> bool:  # type: ignore[override]
         assert staged.cu is not None
+        self.fits_calls += 1
         return len(meta.lengths) <= staged.cu.shape[0] - 1
 
 
 def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> None:
     """Per bucket, tiers of 1 and 2 slots before the bucket's own 4: a call runs the first that
     holds its requests (1, 2, 4 slots, or the breakable form past 4), each bit-identical to eager,
-    all returning the bucket's own output tensors."""
+    all returning the bucket's own output tensors. Each tier tried asks ``fits`` once, and the
+    one that runs is not asked again."""
     staging = TieredStaging()
     block = Block(_make_attention(staging), layers=2)
     buckets = [32, 128]
@@ -201,7 +204,10 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         meta = Meta(_lengths(rng, T, requests))
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
         before = [t.staged_replays()[0] for t in runner.tiers(n)]
+        asked = staging.fits_calls
         y = runner(x, live=meta)
+        # tiers tried in order, then (none fits) the bucket's own graph asks once
+        assert staging.fits_calls - asked == {1: 1, 2: 2}.get(requests, 3), (i, requests)
         assert torch.equal(y, _eager(block, x, meta)), f"call {i}: T={T}, lengths={meta.lengths}"
         after = [t.staged_replays()[0] for t in runner.tiers(n)]
         expected = [int(requests == 1), int(requests == 2)]
