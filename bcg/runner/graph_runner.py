@@ -590,7 +590,8 @@ class GraphRunner:
     def _agree_on_replay(self, graph: BreakableGraph, live: Any) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
 
-        One all-reduce when the graph is staged or keyed; else the local choice. Stitching is allowed only where every rank would stitch (a rank whose first
+        Only with ranks. One all-reduce when the graph is staged or keyed; else the local
+        choice. Stitching is allowed only where every rank would stitch (a rank whose first
         build of an executable the driver refuses still replays piecewise: the same
         collectives in the same order).
         """
