@@ -219,8 +219,9 @@ class CaptureSession(Recorder):
         self._current = graph
         self._switch_nodes = {}
 
-    def close_segment(self, before: str = "the end of the capture") -> None:
-        """End the open segment; keep it (instantiated, uploaded, run once) unless empty."""
+    def close_segment(self, before: str = "the end of the capture", run: bool = True) -> None:
+        """End the open segment; keep it (instantiated, uploaded, run once unless ``run`` is
+        False) unless empty."""
         graph = self._current
         assert graph is not None
         joined = cudart.join_forked_work(self.stream_handle)
@@ -245,7 +246,10 @@ class CaptureSession(Recorder):
             self.lease.keep(graph)  # never launched; freed with the capture's lease
             raise
         offset = self._generator.get_offset()
-        self._capture_run(graph)
+        if run:
+            self._capture_run(graph)
+        else:
+            cudart.upload(int(graph.raw_cuda_graph_exec()), int(self.replay_stream.cuda_stream))
         step = SegmentStep(
             index=self._segment_index,
             cuda_graph=graph,
@@ -409,6 +413,12 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
             (which may run collectives) and the breakpoint after it; raising
             abandons the capture, with that segment never launched. Multi-GPU:
             :meth:`bcg.distributed.CaptureVote.barrier` keeps ranks together.
+        compute_outputs: run the last segment once at the capture's end, as each
+            segment before a breakpoint runs (so that the breakpoint reads real
+            data): the block's outputs then hold its results (default). ``False``
+            uploads it only, as ``torch.cuda.graph`` runs nothing: the outputs
+            hold their values from the first replay on, and the capture costs
+            one less run of that work on the GPU.
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -445,6 +455,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         inline: bool = True,
         variants: VariantPolicy | None = None,
         barrier: Callable[[], None] | None = None,
+        compute_outputs: bool = True,
     ) -> None:
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
@@ -463,6 +474,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._inline = inline
         self._variants = variants
         self._barrier = barrier
+        self._compute_outputs = compute_outputs
         self._session: CaptureSession | None = None
 
     def __enter__(self) -> BreakableGraph:
@@ -525,7 +537,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         self._session = None
         if exc is None:
             try:
-                session.close_segment()
+                session.close_segment(run=self._compute_outputs)
             except BaseException as close_exc:
                 raise self._abandon(session, close_exc) from close_exc
             capture_s = time.perf_counter() - self._t0

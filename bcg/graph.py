@@ -127,13 +127,21 @@ class BreakableGraph:
         ``inline=False``, into this graph's pool. Both graphs' ``outputs`` must
         be set (the tensors the captured code returned): after ``graph``
         replays, its outputs are copied into this graph's, so callers keep
-        reading the same tensors. ``reset()`` resets it too.
+        reading the same tensors. ``reset()`` resets it too. Groups that
+        :meth:`set_enabled` skips are disabled in ``graph``'s own executables
+        (see :meth:`bcg.plan.SegmentStep.skip`): it replays only for metadata
+        that does not fit, where its breakpoints cost more than the empty
+        nodes, and a trimmed executable per segment would cost milliseconds
+        to build.
         """
         if self.outputs is None or graph.outputs is None:
             raise ReplayError(
                 "set_fallback needs the outputs of both graphs: set graph.outputs (and fallback.outputs) to "
                 "the tensors each capture returned, so that a fallback replay can update this graph's outputs"
             )
+        for step in graph.segments:
+            if step.in_place is None and not step.skipped:
+                step.in_place = "it is a breakable form (a fallback): its nodes are disabled in place"
         self.fallback = graph
 
     def staged_replays(self) -> tuple[int, dict[str, int]]:
@@ -315,8 +323,9 @@ class BreakableGraph:
         nodes (see :mod:`bcg.trim`): the first time a set of groups is skipped,
         it is instantiated and uploaded (milliseconds), then kept until
         ``reset()``; later switches cost a few us. A segment that uses RNG
-        (torch replays it) disables the nodes instead, about 1 us of host time
-        per node, and each then runs as an empty node. Replays already queued
+        (torch replays it), and a fallback's (see :meth:`set_fallback`),
+        disables the nodes instead, about 1 us of host time per node, and each
+        then runs as an empty node. Replays already queued
         are not affected.
 
         Returns whether every node of the group is now in the asked state:

@@ -47,7 +47,8 @@ class SegmentStep:
     skipped: frozenset[str] = frozenset()
     #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.trim`)
     trimmed: dict[frozenset[str], int] = field(default_factory=dict, repr=False)
-    #: why this segment skips groups by disabling their nodes (RNG, or a refused trimmed build); None: trims
+    #: why this segment skips groups by disabling their nodes (RNG, a refused trimmed build, or a
+    #: breakable form: see ``BreakableGraph.set_fallback``); None: it trims
     in_place: str | None = None
 
     def __post_init__(self) -> None:

@@ -426,6 +426,36 @@ def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executor
     graph.reset()
 
 
+@pytest.mark.parametrize("compute_outputs", [True, False])
+def test_compute_outputs_runs_or_only_uploads_the_last_segment(compute_outputs: bool) -> None:
+    """Segments before a breakpoint always run at capture (the breakpoint reads their results);
+    the last one runs only with ``compute_outputs`` (else the outputs are filled by the first
+    replay), and every replay after is exact either way."""
+    x = torch.randn(1024, device="cuda")
+    out = torch.full((1024,), float("nan"), device="cuda")  # outside the pool: never reused
+    seen: list[float] = []
+
+    @bcg.breakpoint
+    def peek(t: torch.Tensor) -> None:
+        seen.append(t.sum().item())  # a host read: what the segment before computed
+
+    def fn(x: torch.Tensor) -> None:
+        h = x * 2
+        peek(h)
+        out.copy_(h + 1)
+
+    graph, _ = _capture(fn, x, compute_outputs=compute_outputs)
+    torch.cuda.synchronize()
+    assert seen == [pytest.approx((x * 2).sum().item(), rel=1e-5)]
+    assert torch.isnan(out).all() != compute_outputs  # the last segment ran, or not
+    for _ in range(2):
+        x.copy_(torch.randn(1024, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out, x * 2 + 1, rtol=0, atol=0)
+    graph.reset()
+    _assert_clean()
+
+
 def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
     """A skipped group replays as an executable without its nodes; the kernels around it stay
     ordered (each reads what the one before wrote: big enough that a lost edge races), and

@@ -214,6 +214,10 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         assert [b - a for a, b in zip(before, after)] == expected, (i, requests)
         if requests <= 2:
             ran[requests] += 1
+    for n in buckets:  # the zeroing skipped: trimmed executables inline, disabled nodes in the fallback
+        graph = runner.graph(n)
+        assert graph.fallback is not None and all(s.in_place is not None for s in graph.fallback.segments)
+        assert graph.stats().trimmed_executables >= 1 and graph.fallback.stats().trimmed_executables == 0
     stats = runner.stats()
     assert stats["tier_replays"] == ran[1] + ran[2] == 24
     assert stats["inline_replays"] == 48 and stats["staged_fallbacks"] == {"attn does not fit": 12}

@@ -360,7 +360,7 @@ class GraphRunner:
                 graph, lambda: self._padded_forward(n, views), membership.release,
                 stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
                 ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
-                barrier=self._barrier,
+                barrier=self._barrier, compute_outputs=False,
             )
             tier_lives = self._lives_for(n)[:-1]
             if tier_lives and self._ranks is not None:
@@ -398,6 +398,7 @@ class GraphRunner:
             after_breakpoint=sanitizer.hook(n),
             variants=self._variants,
             barrier=self._barrier,
+            compute_outputs=False,  # calls replay before reading: no run of the last segment at capture
         ):
             out = self._padded_forward(n, views)
             if into is not None:
@@ -739,7 +740,8 @@ class GraphRunner:
             return handed
 
     def bucket_outputs(self, bucket: int) -> Any:
-        """The full, unsliced outputs of ``bucket``'s last run (padded rows included); valid until the next call."""
+        """The full, unsliced outputs of ``bucket``'s last run (padded rows included); valid until the next call.
+        Before the bucket's first call they hold no result (the capture does not run the forward's end)."""
         b = self._buckets.get(bucket)
         if b is None or b.leaves is None:
             raise KeyError(f"bucket {bucket} has no outputs (not captured, or not run yet in eager mode)")
