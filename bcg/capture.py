@@ -437,6 +437,14 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         Process-wide for the capture's duration: captures are serialized (a
         second thread's capture waits), Python's cycle collector is paused, and
         Inductor's own CUDA graphs are off (see :mod:`bcg.compiled`).
+
+    .. warning::
+        Whether a segment draws random numbers is learnt from its run at capture
+        (torch moves the generator only when a graph runs). With
+        ``compute_outputs=False`` the last segment is taken to draw none: keep
+        the default for code that draws random numbers after its last breakpoint,
+        or its replays would repeat the same numbers (``GraphRunner`` checks its
+        eager warm-up and runs the segment when the forward drew any).
     """
 
     def __init__(

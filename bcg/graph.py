@@ -127,21 +127,26 @@ class BreakableGraph:
         ``inline=False``, into this graph's pool. Both graphs' ``outputs`` must
         be set (the tensors the captured code returned): after ``graph``
         replays, its outputs are copied into this graph's, so callers keep
-        reading the same tensors. ``reset()`` resets it too. Groups that
-        :meth:`set_enabled` skips are disabled in ``graph``'s own executables
-        (see :meth:`bcg.plan.SegmentStep.skip`): it replays only for metadata
-        that does not fit, where its breakpoints cost more than the empty
-        nodes, and a trimmed executable per segment would cost milliseconds
-        to build.
+        reading the same tensors. ``reset()`` resets it too. The groups that
+        :meth:`set_enabled` skips are skipped in ``graph`` too, switched right
+        before it replays, by disabling their nodes in its own executables (see
+        :meth:`bcg.plan.SegmentStep.skip`; segments already skipping groups
+        keep their trimmed executables): it replays only for metadata that does
+        not fit, where its breakpoints cost more than the empty nodes, and a
+        trimmed executable per segment would cost milliseconds to build.
         """
         if self.outputs is None or graph.outputs is None:
             raise ReplayError(
                 "set_fallback needs the outputs of both graphs: set graph.outputs (and fallback.outputs) to "
                 "the tensors each capture returned, so that a fallback replay can update this graph's outputs"
             )
+        marked = False
         for step in graph.segments:
             if step.in_place is None and not step.skipped:
                 step.in_place = "it is a breakable form (a fallback): its nodes are disabled in place"
+                marked = True
+        if marked and graph._executor is not None:  # executors built with trimmed executables: not reused
+            graph._executors = {graph._disabled: graph._executor}
         self.fallback = graph
 
     def staged_replays(self) -> tuple[int, dict[str, int]]:
@@ -318,7 +323,8 @@ class BreakableGraph:
         """Run (``True``) or skip (``False``) the node group ``label`` in the replays that follow.
 
         The group is the work captured inside :func:`bcg.switchable`
-        blocks with that label, in every segment (and in the breakable form's).
+        blocks with that label, in every segment (and in the breakable form's,
+        switched when it next replays: see :meth:`set_fallback`).
         A segment that skips groups replays an executable built without their
         nodes (see :mod:`bcg.trim`): the first time a set of groups is skipped,
         it is instantiated and uploaded (milliseconds), then kept until
@@ -339,20 +345,22 @@ class BreakableGraph:
         """
         if self._replaying:
             raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
-        fallback = self.fallback
-        if (label in self._disabled) != enabled and (fallback is None or (label in fallback._disabled) != enabled):
-            return True  # already so (each call at replay asks this)
         if self._executor is None:
             return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
-        before = self._disabled
         done = self._switch(label, enabled)
-        if self.fallback is not None:
-            try:
-                done = self.fallback.set_enabled(label, enabled) and done
-            except BaseException:
-                self._switch(label, label not in before)  # both forms stay as they were
-                raise
+        fallback = self.fallback
+        if done and not enabled and fallback is not None and not fallback._can_skip(label):
+            return False  # the breakable form always runs it
         return done
+
+    def _can_skip(self, label: str) -> bool:
+        return self._executor is not None and label not in self._parts.unswitchable
+
+    def _follow(self, disabled: frozenset[str]) -> None:
+        """Skip the groups ``disabled`` (those this graph can), run the others: a fallback
+        brought to its inline form's state before it replays."""
+        for label in sorted(self._disabled | disabled):
+            self._switch(label, label not in disabled)
 
     def _switch(self, label: str, enabled: bool) -> bool:
         """:meth:`set_enabled` for this graph's own segments (all or none of them switched)."""
@@ -406,9 +414,12 @@ class BreakableGraph:
                 "graph.pool()) and attach it with graph.set_fallback(), or use bcg.make_graph / GraphRunner"
             )
         self._fallback_replays[reason] = self._fallback_replays.get(reason, 0) + 1
+        fallback = self.fallback
+        if fallback._disabled != self._disabled:
+            fallback._follow(self._disabled)  # the groups set_enabled switched since it last replayed
         self._replaying += 1  # reset() must refuse while the fallback replays
         try:
-            copy_outputs_into(self.outputs, self.fallback.replay(live, stitch=stitch), "the breakable form")
+            copy_outputs_into(self.outputs, fallback.replay(live, stitch=stitch), "the breakable form")
         finally:
             self._replaying -= 1
         return self.outputs

@@ -40,6 +40,8 @@ class SegmentStep:
     cuda_graph: torch.cuda.CUDAGraph | None
     nodes: int
     kernel_nodes: int | None
+    #: the segment drew random numbers when it ran at capture (torch replays it); False
+    #: for a last segment only uploaded (``bcg.capture(compute_outputs=False)``)
     uses_rng: bool = False
     #: nodes recorded inside ``bcg.switchable(label)`` blocks, per label
     switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
@@ -74,9 +76,10 @@ class SegmentStep:
 
         The segment replays an executable without their nodes, built (and
         uploaded on ``stream``) the first time a set of groups is skipped and
-        kept until :meth:`release`. A segment torch replays (RNG), or whose
-        build CUDA refused (logged), disables the nodes in its own executable
-        instead (``cudaGraphNodeSetEnabled``: empty nodes). Executors read
+        kept until :meth:`release`. A segment torch replays (RNG), one of a
+        fallback (``BreakableGraph.set_fallback``), or one whose build CUDA
+        refused (logged), disables the nodes in its own executable instead
+        (``cudaGraphNodeSetEnabled``: empty nodes). Executors read
         :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
         """
         labels = frozenset(label for label in labels if self.switchable.get(label))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,6 +53,13 @@ from bcg import cudart
 from bcg.breakpoint import BreakpointSpec, Recorder, live
 
 log = logging.getLogger("bcg")
+
+# struct codes (standard sizes) of the dtypes a StagingBuffer holds
+_STRUCT_CODES = {
+    torch.bool: "?", torch.int8: "b", torch.uint8: "B", torch.int16: "h", torch.uint16: "H",
+    torch.int32: "i", torch.uint32: "I", torch.int64: "q", torch.uint64: "Q",
+    torch.float16: "e", torch.float32: "f", torch.float64: "d",
+}
 
 
 # The buffers written since the innermost ``collecting()`` began (None: nobody collects).
@@ -69,7 +77,8 @@ class StagingBuffer:
 
     ``device`` is the tensor kernels read (its address never changes); ``host``
     is pinned host memory that :meth:`write` fills. Integer, bool and
-    float16/32/64 dtypes (the host side is written through NumPy).
+    float16/32/64 dtypes (the host side is written with one precompiled
+    ``struct`` pack: values must be numbers of the dtype's kind, in range).
 
     .. warning::
         Write it only from a ``prepare`` function: bcg uploads what ``prepare``
@@ -79,12 +88,16 @@ class StagingBuffer:
     def __init__(self, shape: int | Sequence[int], dtype: torch.dtype = torch.int32, device: Any = None) -> None:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) or dtype.is_complex:
+        if dtype not in _STRUCT_CODES:
             raise TypeError(f"StagingBuffer holds integer, bool or float16/32/64 metadata, not {dtype}")
         self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
         cuda = self._device_tensor.device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self._host_numpy = self.host.numpy().reshape(-1)
+        self._numel = self.host.numel()
+        # One C call writes every value (a NumPy slice assignment runs its array
+        # coercion, several times the host code, at every replay).
+        self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
+        self._host_buffer = self.host.numpy().reshape(-1)
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
 
     @property
@@ -105,12 +118,17 @@ class StagingBuffer:
                 self._read.synchronize()
         if isinstance(values, torch.Tensor):
             values = values.reshape(-1).tolist()
-        if len(values) != len(self._host_numpy):
+        if len(values) != self._numel:
             raise ValueError(
-                f"StagingBuffer.write got {len(values)} values for a buffer of {len(self._host_numpy)}: "
+                f"StagingBuffer.write got {len(values)} values for a buffer of {self._numel}: "
                 "write every element (fill unused slots with sentinels)"
             )
-        self._host_numpy[:] = values
+        try:
+            self._pack(self._host_buffer, 0, *values)
+        except struct.error as exc:
+            raise TypeError(
+                f"StagingBuffer.write: {exc}: write {self.host.dtype} values (numbers of its kind, in its range)"
+            ) from exc
         if written is not None and self not in written:
             written.append(self)
 

@@ -330,6 +330,48 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     del poison
 
 
+@pytest.mark.parametrize("draws", [False, True], ids=["no-rng", "rng-after-the-last-breakpoint"])
+def test_captures_run_the_last_segment_only_when_the_forward_draws_random_numbers(
+    monkeypatch: pytest.MonkeyPatch, draws: bool
+) -> None:
+    """The runner's captures upload the forward's last segment without running it, unless its
+    warm-up drew random numbers: then the segment runs at capture, is known to use RNG, and
+    each call draws fresh numbers, as eager calls do."""
+    from bcg.capture import CaptureSession
+
+    runs: list[int] = []
+    capture_run = CaptureSession._capture_run
+
+    def counting(session: CaptureSession, graph: torch.cuda.CUDAGraph) -> None:
+        runs.append(session._segment_index)
+        capture_run(session, graph)
+
+    monkeypatch.setattr(CaptureSession, "_capture_run", counting)
+
+    @bcg.breakpoint(mutates=())
+    def scale(h: torch.Tensor) -> torch.Tensor:
+        return h * bcg.live()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = scale(x * 2)
+        return h + torch.rand_like(h) if draws else h + 1
+
+    x = torch.randn(64, 32, device="cuda")
+    runner = bcg.GraphRunner(forward, [64], example_inputs=(x,), capture_live=3.0, progress=False).capture()
+    graph = runner.graph(64)
+    assert graph.num_segments == 2 and runs == ([0, 1] if draws else [0])  # the last one ran, or not
+    assert graph.segments[-1].uses_rng == draws
+    first = runner(x, live=3.0).clone()
+    second = runner(x, live=3.0).clone()
+    if draws:
+        assert not torch.equal(first, second)  # fresh numbers each call
+        noise = first - x * 6
+        assert bool(((noise > -1e-3) & (noise < 1 + 1e-3)).all()) and noise.std() > 0.2  # uniform [0, 1)
+    else:
+        assert torch.equal(first, x * 6 + 1) and torch.equal(second, first)
+    runner.reset()
+
+
 # -- fallbacks and guards ------------------------------------------------------------------------
 
 

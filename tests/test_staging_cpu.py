@@ -166,6 +166,17 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
     with pytest.raises(ValueError, match="every element"):
         buf.write([1, 2])
     assert buf.host.tolist() == [5, 6, 7, 8] and buf.device.tolist() == [0, 0, 0, 0]  # no upload by itself
+    with pytest.raises(TypeError, match="int32 values"):
+        buf.write([0, 1.5, 2, 3])  # not an integer
+    with pytest.raises(TypeError, match="int32 values"):
+        buf.write([0, 1, 2, 2**31])  # out of range
+    flags = bcg.StagingBuffer(3, dtype=torch.bool, device="cpu")
+    flags.write([True, 0, 1])
+    halves = bcg.StagingBuffer(2, dtype=torch.float16, device="cpu")
+    halves.write([0.5, -2])
+    assert flags.host.tolist() == [True, False, True] and halves.host.tolist() == [0.5, -2.0]
+    with pytest.raises(TypeError, match="bfloat16"):
+        bcg.StagingBuffer(2, dtype=torch.bfloat16, device="cpu")
 
 
 def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:

@@ -259,6 +259,47 @@ def test_make_graph_holds_both_forms_and_outputs_are_the_same_tensors() -> None:
     graph.reset()
 
 
+def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> None:
+    """set_enabled switches the inline form at once and the breakable form right before it next
+    replays (nodes disabled in place: no executable built for it); each form skips the group's
+    work while it is off and runs it again once it is back on."""
+    staging = Staging()
+    block = Block(_make_attention(staging))
+    counter = torch.zeros(4, device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = block(x)
+        with bcg.switchable("count"):
+            counter.add_(1)
+        return y
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    graph = bcg.make_graph(fn, x, live=Meta((50, 78)))
+    fallback = graph.fallback
+    assert fallback is not None and all(s.in_place is not None for s in fallback.segments)
+    rng = random.Random(11)
+
+    def replay(requests: int, counted: int) -> None:
+        meta = Meta(_lengths(rng, 128, requests))
+        x.copy_(torch.randn_like(x))
+        before = counter.clone()
+        y = graph.replay(meta)
+        assert torch.equal(counter, before + counted), (requests, counted)
+        with bcg.live_scope(meta), torch.no_grad():
+            assert torch.equal(y, block(x))
+
+    assert graph.set_enabled("count", False)
+    assert graph.stats().disabled == ("count",) and fallback.stats().disabled == ()  # not switched yet
+    replay(2, 0)  # inline
+    replay(6, 0)  # the fallback, switched first
+    assert fallback.stats().disabled == ("count",) and fallback.stats().trimmed_executables == 0
+    assert graph.set_enabled("count", True)
+    replay(5, 1)
+    replay(3, 1)
+    assert fallback.stats().disabled == () and graph.stats().fallback_replays == {"attn does not fit": 2}
+    graph.reset()
+
+
 def test_a_graph_with_no_breakable_form_refuses_metadata_that_does_not_fit() -> None:
     block = Block(_make_attention(Staging()))
     x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)

@@ -197,6 +197,9 @@ class GraphRunner:
         # input_buffers(T), as handed out: T -> inputs, and id(first padded view) -> (T, bucket, inputs)
         self._handed: dict[int, tuple[Any, ...]] = {}
         self._handed_ids: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+        # A warm-up drew random numbers (the default generator moved): captures then run the
+        # forward's last segment, the only way bcg learns whether that segment uses RNG.
+        self._draws_rng = False
 
     def _choose_probe_size(self) -> int:
         """A second size to run once, so the first bucket captured knows which dims grow with the size."""
@@ -249,9 +252,13 @@ class GraphRunner:
         views = static.load_example(n)
         sanitizer.set_rows(n)
         live = self._live_for(n)
+        generator = torch.cuda.default_generators[self._device.index or 0] if self._mode == "graph" else None
+        offset = generator.get_offset() if generator is not None else 0
         with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph") as recorder:
             with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
+        if generator is not None and generator.get_offset() != offset:
+            self._draws_rng = True
         leaves, spec = pytree.tree_flatten(out)
         self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
         return out
@@ -360,7 +367,7 @@ class GraphRunner:
                 graph, lambda: self._padded_forward(n, views), membership.release,
                 stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
                 ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
-                barrier=self._barrier, compute_outputs=False,
+                barrier=self._barrier, compute_outputs=self._draws_rng,
             )
             tier_lives = self._lives_for(n)[:-1]
             if tier_lives and self._ranks is not None:
@@ -398,7 +405,9 @@ class GraphRunner:
             after_breakpoint=sanitizer.hook(n),
             variants=self._variants,
             barrier=self._barrier,
-            compute_outputs=False,  # calls replay before reading: no run of the last segment at capture
+            # Calls replay before reading: the last segment need not run at capture, unless the
+            # forward draws random numbers (learnt only from a run: see _run_recorded).
+            compute_outputs=self._draws_rng,
         ):
             out = self._padded_forward(n, views)
             if into is not None:
