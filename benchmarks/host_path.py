@@ -3,10 +3,14 @@ alone in a loop (us per call, best of 5 loops: warm caches) and right after a wh
 idle (cold, as a call starts); the GPU time of one call queued behind a spin kernel (the host ahead)
 for the runner, the executable of the tier it picks and the floor; then whole calls of the runner,
 the bare graph, its executors and the floor, with the GPU idle before each (cold), host only and to
-completion. A diagnostic that reaches into the runner's private state; not a bench row.
+completion; last, in rounds, the runner's call cut into timed stages (a copy of its path for inputs
+from ``input_buffers``, as at this commit), next to the real call, the floor and an ideal runner:
+the live metadata, the tiers' ``fits``, ``prepare``, the live value set and one native launch, and
+nothing else (the least host time any runner of this design can take). A diagnostic that reaches
+into the runner's private state; not a bench row.
 Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen]``.
 """
-import statistics, time, sys
+import operator, statistics, time, sys
 import torch
 import bcg
 from bcg.bench import cli, modes, registry
@@ -107,3 +111,77 @@ for r in range(2):
           "executor.run", med(g._executor.run), "floor", med(fl.run), flush=True)
 print("tiers", [t.staged_replays() for t in b.tiers], "main", g.staged_replays())
 print("nodes", [s.nodes for s in g.segments], "switchable", [{k: len(v) for k, v in s.switchable.items()} for s in g.segments])
+
+# -- the call in stages, cold (right after a synchronize, the GPU idle), in rounds ------------------
+from bcg.breakpoint import _LIVE, set_live, reset_live
+
+ns = time.perf_counter_ns
+
+
+def staged_call(stamps):  # GraphRunner.__call__ for input_buffers(T) inputs, no ranks: stamps between stages
+    t = [ns()]
+    lv = st.fresh_live(); t.append(ns())
+    with runner._lock.lock:
+        handed = runner._handed_ids.get(id(inputs[runner._first_padded]))
+        assert all(map(operator.is_, inputs, handed[2]))
+        T_, n = handed[0], handed[1]; t.append(ns())
+        chosen = runner._buckets[n]
+        assert chosen.failure is None and runner._max_padding_ratio is None; t.append(ns())
+        graph = chosen.graph
+        for tr in chosen.tiers:
+            if tr.would_fall_back(lv) is None:
+                graph = tr
+                break
+        t.append(ns())
+        device = gd()
+        stream = runner._lock.serialize_streams(device); t.append(ns())
+        runner._sanitizer.set_rows(T_, stream); t.append(ns())
+        graph.set_enabled(PADDING, T_ < n); t.append(ns())
+        assert gd() == graph._parts.device
+        graph._parts.stager.prepare(lv); graph._inline_replays += 1; t.append(ns())
+        token = set_live(lv); graph._replaying += 1; t.append(ns())
+        graph._executor.run(); t.append(ns())
+        graph._replaying -= 1; reset_live(token); chosen.replays += 1; runner._real_rows += T_; t.append(ns())
+        out = runner._slice(chosen, chosen.leaves, T_, not runner._lock.views_safe(), keep=True); t.append(ns())
+    stamps.append([(b - a) / 1e3 for a, b in zip(t, t[1:])] + [(t[-1] - t[0]) / 1e3])
+    return out
+
+
+def ideal_runner():  # what any runner of this design must do: metadata, fits, prepare, live, one launch
+    forms = tuple((form._parts.stager.misfit, tuple(form._parts.stager._prepares), form._executor._replay)
+                  for form in (*b.tiers, g))
+    handed_get, lock, out = runner._handed_ids.get, runner._lock.lock, b.sliced[T]
+
+    def call():
+        lv = st.fresh_live()
+        with lock:
+            handed_get(id(inputs[0]))
+            for misfit, prepares, launch in forms:
+                if misfit(lv) is None:
+                    break
+            device = gd()
+            for prepare in prepares:
+                prepare(lv)
+            token = _LIVE.set(lv)
+            launch(gs(device), device)
+            _LIVE.reset(token)
+            return out
+
+    return call
+
+
+stages = ["fresh_live", "lock+handed", "bucket", "tier fits", "device+streams", "set_rows", "set_enabled",
+          "prepare", "set_live", "launch (executor.run)", "counters", "slice", "TOTAL"]
+ideal = ideal_runner()
+for r in range(3):
+    stamps, real_us, ideal_us, floor_us = [], [], [], []
+    for _ in range(60):
+        torch.cuda.synchronize(); staged_call(stamps)
+        torch.cuda.synchronize(); t0 = ns(); call(); real_us.append((ns() - t0) / 1e3)
+        torch.cuda.synchronize(); t0 = ns(); ideal(); ideal_us.append((ns() - t0) / 1e3)
+        torch.cuda.synchronize(); t0 = ns(); fl.run(); floor_us.append((ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    print(f"round {r}: call in stages, cold us:",
+          {k: round(statistics.median(c), 2) for k, c in zip(stages, zip(*stamps))}, flush=True)
+    print(f"round {r}: host-only us: runner call {statistics.median(real_us):.1f}, ideal runner "
+          f"{statistics.median(ideal_us):.1f}, floor replay {statistics.median(floor_us):.1f}", flush=True)

@@ -236,7 +236,8 @@ def _bcg_repeating(case: Case, ctx: BuildContext, kind: str, keyed: bool = True)
 
 
 def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torch.Tensor] | None = None) -> Built:
-    """The forward with live values frozen (or ``fn``), captured as ONE ``torch.cuda.CUDAGraph``."""
+    """The forward with live values frozen (or ``fn``), captured as ONE ``torch.cuda.CUDAGraph``;
+    rows have its ``host_us_per_replay`` (one ``replay()``)."""
     fn = fn if fn is not None else forward_of(case, case.bp_frozen, compiled)
     info: dict[str, Any] = {"segments": 1, "breakpoints": 0}
     if compiled:
@@ -269,6 +270,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torc
         pool_bytes=pool_bytes(pool, torch.cuda.current_device()),
         info=info,
         close=close,
+        measure=_replay_measures(run),  # its host time per replay, beside the runners'
     )
 
 

@@ -58,6 +58,15 @@ class _Bucket:
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
     tiers: list[BreakableGraph] = field(default_factory=list)  # staged tiers, tried first (StagedTiers)
 
+    def free_graphs(self) -> None:
+        """Reset and drop the bucket's graph and its staged tiers (their pool memory returns)."""
+        for tier in self.tiers:
+            tier.reset()
+        self.tiers = []
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
 
 _SLICED_KEPT = 64  # distinct T per bucket whose output views are kept
 _HANDED_KEPT = 256  # distinct T whose input_buffers are kept (a call on them is recognized, not checked)
@@ -185,10 +194,7 @@ class GraphRunner:
         self._captured = False
         self._out_shapes: dict[int, tuple[Any, list[tuple[int, ...] | None]]] = {}
         self._capture_total_s = 0.0
-        self._calls = 0
-        self._graph_calls = 0
-        self._real_rows = 0
-        self._padded_rows = 0
+        self._real_rows = 0  # (calls, graph calls and padded rows: from the buckets' replays, in stats())
         self._fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
         self._probe_size = self._choose_probe_size()
         self._rows = max(self._buckets_list[-1], self._probe_size)
@@ -311,13 +317,8 @@ class GraphRunner:
                 except Exception as exc:
                     if vote is not None:
                         vote.fail()
-                    for tier in bucket.tiers:
-                        tier.reset()
-                    bucket.tiers = []
-                    if bucket.graph is not None:
-                        bucket.graph.reset()  # captured here, failed on another rank
+                    bucket.free_graphs()  # (captured here, failed on another rank)
                     bucket.failure = f"{type(exc).__name__}: {exc}"
-                    bucket.graph = None
                     bucket.captured = False
                     log.warning(
                         "bcg.GraphRunner(%s): capturing bucket %d failed, calls that would use it run "
@@ -538,6 +539,8 @@ class GraphRunner:
                     )
                 n: int | None = bucket
                 T_all = T
+            elif handed is not None and self._ranks is None:
+                n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
             else:
                 T_all = self._ranks.max([T])[0] if self._ranks is not None else T
                 n = pick_bucket(self._buckets_list, T_all)
@@ -587,10 +590,7 @@ class GraphRunner:
                 leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
                 chosen.leaves = leaves
             chosen.replays += 1
-            self._calls += 1
-            self._graph_calls += 1
             self._real_rows += T
-            self._padded_rows += n
             assert leaves is not None
             copy = self._copy_outputs
             if copy is None:
@@ -663,7 +663,6 @@ class GraphRunner:
 
     def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any) -> Any:
         self._fallbacks[reason] += 1
-        self._calls += 1
         with torch.no_grad(), live_scope(live):
             return self._forward(*inputs)
 
@@ -796,6 +795,8 @@ class GraphRunner:
         alone = self._largest_alone
         staged = [g.staged_replays() for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
         tier_replays = sum(t.staged_replays()[0] for x in self._buckets.values() for t in x.tiers)
+        graph_calls = sum(x.replays for x in self._buckets.values())
+        padded_rows = sum(x.size * x.replays for x in self._buckets.values())
         staged_fallbacks: dict[str, int] = {}
         for _, fallbacks in staged:
             for reason, count in fallbacks.items():
@@ -810,11 +811,11 @@ class GraphRunner:
             "pool_bytes": pool,
             "largest_alone_pool_bytes": alone,
             "pool_ratio": pool / alone if alone else None,
-            "calls": self._calls,
-            "graph_calls": self._graph_calls,
+            "calls": graph_calls + sum(self._fallbacks.values()),
+            "graph_calls": graph_calls,
             "replays": {b: x.replays for b, x in self._buckets.items()},
             "fallbacks": dict(self._fallbacks),
-            "padding_ratio": 1 - self._real_rows / self._padded_rows if self._padded_rows else 0.0,
+            "padding_ratio": 1 - self._real_rows / padded_rows if padded_rows else 0.0,
             "inline_replays": sum(inline for inline, _ in staged),
             "tier_replays": tier_replays,
             "staged_fallbacks": staged_fallbacks,
@@ -858,12 +859,7 @@ class GraphRunner:
         with self._lock.lock:
             for bucket in self._buckets.values():
                 bucket.leaves = None
-                for tier in bucket.tiers:
-                    tier.reset()
-                bucket.tiers = []
-                if bucket.graph is not None:
-                    bucket.graph.reset()
-                    bucket.graph = None
+                bucket.free_graphs()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None
