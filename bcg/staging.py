@@ -176,7 +176,8 @@ class Stager:
     """
 
     def __init__(self) -> None:
-        self._fits: list[tuple[BreakpointSpec, Any]] = []  # each distinct check: (spec, its staged value)
+        # each distinct check: (spec, its staged value, the reason a misfit gives; made once, not per replay)
+        self._fits: list[tuple[BreakpointSpec, Any, str]] = []
         self._prepares: list[Any] = []
         self._values: list[Any] = []  # what each prepare returned when recorded
         self.names: list[str] = []  # the staged breakpoints recorded inline, each name once
@@ -197,10 +198,10 @@ class Stager:
 
     def misfit(self, live: Any) -> str | None:
         """``None`` when every staged breakpoint fits ``live``, else the reason (``"<name> does not fit"``)."""
-        for spec, staged in self._fits:
+        for spec, staged, reason in self._fits:
             assert spec.fits is not None
             if not (spec.fits(live, staged) if spec.fits_reads_staged else spec.fits(live)):
-                return f"{spec.name} does not fit"
+                return reason
         return None
 
     def prepare(self, live: Any) -> None:
@@ -260,8 +261,8 @@ class Stager:
                 buf.upload()  # captured, when capturing: the graph copies the host value in
             self._prepares.append(spec.prepare)
             self._values.append(staged)
-        if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v in self._fits):
-            self._fits.append((spec, staged))
+        if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v, _ in self._fits):
+            self._fits.append((spec, staged, f"{spec.name} does not fit"))
         return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
 
 
