@@ -8,7 +8,8 @@ from ``input_buffers``, as at this commit), next to the real call, the floor and
 the live metadata, the tiers' ``fits``, ``prepare``, the live value set and one native launch, and
 nothing else (the least host time any runner of this design can take). A diagnostic that reaches
 into the runner's private state; not a bench row.
-Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen]``.
+Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen] [compile]`` (``compile``: the
+runner over the torch.compile'd regions, against ``floor-compile``).
 """
 import operator, statistics, time, sys
 import torch
@@ -22,11 +23,12 @@ from bcg.replay import stream_readers
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 attn = sys.argv[2] if len(sys.argv) > 2 else "flash"
+compiled = "compile" in sys.argv[3:]
 args = cli.parse_args(["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"])
 dev = torch.device("cuda")
 model = llama.setup(args, dev)
 case = llama.make_case(model, args, dev, attn, T)
-built = modes._bcg_staged(case, registry.BuildContext(), compiled=False)
+built = modes._bcg_staged(case, registry.BuildContext(), compiled=compiled)
 st = case.staged
 runner = [c.cell_contents for c in built.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
 g = runner.graph(T)
@@ -80,7 +82,7 @@ def med(fn, n=60, wait=True):
         if wait: torch.cuda.synchronize()
         s.append((time.perf_counter() - t0) * 1e6)
     return round(statistics.median(s), 1)
-fl = modes._floor(case, registry.BuildContext(), compiled=False)
+fl = modes._floor(case, registry.BuildContext(), compiled=compiled)
 tier = next((t for t in b.tiers if t.would_fall_back(live) is None), g)  # the graph a call runs
 call = lambda: runner(*inputs, live=st.fresh_live())
 
