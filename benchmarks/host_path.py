@@ -68,7 +68,6 @@ pieces = {
     "empty call": lambda: None,
     "current_stream": torch.cuda.current_stream,
     "views_safe": runner._lock.views_safe,
-    "stats_counters": lambda: None,
 }
 res = {k: rep(f) for k, f in pieces.items()}
 res["set_rows(memset)"] = rep(lambda: runner._sanitizer.set_rows(T, s_raw), 500)
@@ -116,8 +115,12 @@ print("nodes", [s.nodes for s in g.segments], "switchable", [{k: len(v) for k, v
 
 # -- the call in stages, cold (right after a synchronize, the GPU idle), in rounds ------------------
 from bcg.breakpoint import _LIVE, set_live, reset_live
+from bcg.replay import NativeExecutor
 
 ns = time.perf_counter_ns
+for form in (*b.tiers, g):  # the path copied below: native launches; no guards, poison or variants
+    assert isinstance(form._executor, NativeExecutor) and form._executor.launches, "run with the native executor"
+    assert form._parts.guards is None and form._parts.poison is None and form.variants is None
 
 
 def staged_call(stamps):  # GraphRunner.__call__ for input_buffers(T) inputs, no ranks: stamps between stages
@@ -134,6 +137,8 @@ def staged_call(stamps):  # GraphRunner.__call__ for input_buffers(T) inputs, no
             if tr.would_fall_back(lv) is None:
                 graph = tr
                 break
+        else:
+            assert graph.would_fall_back(lv) is None  # (the real call would run the breakable form)
         t.append(ns())
         device = gd()
         stream = runner._lock.serialize_streams(device); t.append(ns())
@@ -143,7 +148,7 @@ def staged_call(stamps):  # GraphRunner.__call__ for input_buffers(T) inputs, no
         graph._parts.stager.prepare(lv); graph._inline_replays += 1; t.append(ns())
         token = set_live(lv); graph._replaying += 1; t.append(ns())
         graph._executor.run(); t.append(ns())
-        graph._replaying -= 1; reset_live(token); chosen.replays += 1; runner._real_rows += T_; t.append(ns())
+        graph._replaying -= 1; reset_live(token); chosen.replays += 1; runner._real_rows += T_; t.append(ns())  # (and live reset)
         out = runner._slice(chosen, chosen.leaves, T_, not runner._lock.views_safe(), keep=True); t.append(ns())
     stamps.append([(b - a) / 1e3 for a, b in zip(t, t[1:])] + [(t[-1] - t[0]) / 1e3])
     return out
@@ -152,15 +157,17 @@ def staged_call(stamps):  # GraphRunner.__call__ for input_buffers(T) inputs, no
 def ideal_runner():  # what any runner of this design must do: metadata, fits, prepare, live, one launch
     forms = tuple((form._parts.stager.misfit, tuple(form._parts.stager._prepares), form._executor._replay)
                   for form in (*b.tiers, g))
-    handed_get, lock, out = runner._handed_ids.get, runner._lock.lock, b.sliced[T]
+    handed_get, lock, out, first_padded = runner._handed_ids.get, runner._lock.lock, b.sliced[T], runner._first_padded
 
     def call():
         lv = st.fresh_live()
         with lock:
-            handed_get(id(inputs[0]))
+            handed_get(id(inputs[first_padded]))
             for misfit, prepares, launch in forms:
                 if misfit(lv) is None:
                     break
+            else:
+                raise AssertionError("no form fits: the real call would run the breakable form")
             device = gd()
             for prepare in prepares:
                 prepare(lv)
@@ -173,7 +180,7 @@ def ideal_runner():  # what any runner of this design must do: metadata, fits, p
 
 
 stages = ["fresh_live", "lock+handed", "bucket", "tier fits", "device+streams", "set_rows", "set_enabled",
-          "prepare", "set_live", "launch (executor.run)", "counters", "slice", "TOTAL"]
+          "prepare", "set_live", "launch (executor.run)", "counters (and live reset)", "slice", "TOTAL"]
 ideal = ideal_runner()
 for r in range(3):
     stamps, real_us, ideal_us, floor_us = [], [], [], []

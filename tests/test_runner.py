@@ -319,6 +319,34 @@ def test_inputs_built_in_the_runner_buffers_give_the_same_outputs(pad_dim: int) 
             expected = forward(x, "on")
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(runner(x, "on", live=None), y)
+    stats = runner.stats()  # each T ran its own bucket, the handed buffers' and a copied input's alike
+    assert stats["replays"] == {4: 4, 8: 2, 16: 4}
+    assert stats["calls"] == stats["graph_calls"] == 10
+
+
+def test_input_buffers_calls_still_fall_back_for_padding_waste() -> None:
+    lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return lin(x) + 1
+
+    runner = _runner(forward, [4, 16], (torch.randn(5, HIDDEN),), max_padding_ratio=0.5)
+    runner.capture()
+    buf, = runner.input_buffers(5)  # bucket 16: 11 of its 16 rows would be padding
+    x = torch.randn(5, HIDDEN)
+    buf.copy_(x)
+    y = runner(buf)
+    with torch.no_grad():
+        torch.testing.assert_close(y, forward(x), rtol=1e-5, atol=1e-5)
+    stats = runner.stats()
+    assert stats["fallbacks"]["padding_waste"] == 1 and stats["replays"] == {4: 0, 16: 0}
+    assert stats["calls"] == 1 and stats["graph_calls"] == 0 and stats["padding_ratio"] == 0.0
+    buf, = runner.input_buffers(3)  # bucket 4: 1 padded row of 4
+    buf.copy_(x[:3])
+    runner(buf)
+    stats = runner.stats()
+    assert stats["replays"] == {4: 1, 16: 0} and stats["calls"] == 2 and stats["graph_calls"] == 1
+    assert stats["padding_ratio"] == pytest.approx(0.25)
 
 
 def test_outputs_are_sliced_only_along_dims_that_grow_with_the_bucket() -> None:

@@ -54,7 +54,7 @@ def _replay_measures(
     run: Callable[[], torch.Tensor], runner_stats: Callable[[], dict[str, Any]] | None = None,
     staged: bool = False, keyed: bool = False,
 ) -> Callable[[], Callable[[], dict[str, Any]]]:
-    """A ``Built.measure`` for a bcg mode's rows.
+    """A ``Built.measure`` for a mode's rows (the floors' and bcg's).
 
     Arguments:
         run: the mode's ``Built.run``. After the timed replays, ``host_us_per_replay`` is

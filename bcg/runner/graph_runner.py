@@ -59,7 +59,10 @@ class _Bucket:
     tiers: list[BreakableGraph] = field(default_factory=list)  # staged tiers, tried first (StagedTiers)
 
     def free_graphs(self) -> None:
-        """Reset and drop the bucket's graph and its staged tiers (their pool memory returns)."""
+        """Reset and drop the bucket's graph and its staged tiers (their pool memory returns), and
+        forget the outputs and output views that lived there."""
+        self.leaves = None
+        self.sliced.clear()
         for tier in self.tiers:
             tier.reset()
         self.tiers = []
@@ -858,7 +861,6 @@ class GraphRunner:
         """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse."""
         with self._lock.lock:
             for bucket in self._buckets.values():
-                bucket.leaves = None
                 bucket.free_graphs()
             if self._lease is not None:
                 self._lease.release()
