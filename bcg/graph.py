@@ -117,8 +117,13 @@ class BreakableGraph:
         """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind;
         the executors built for other sets of skipped groups are dropped."""
         if self._executor is not None:
-            self._executor = make_executor(self._plan, self._executor.name)
-            self._executors = {self._disabled: self._executor}
+            self._set_executor(make_executor(self._plan, self._executor.name))
+
+    def _set_executor(self, executor: Executor) -> None:
+        """Replay with ``executor`` (built for the groups skipped now); the executors cached
+        for other sets of skipped groups are dropped (they may read steps that changed)."""
+        self._executor = executor
+        self._executors = {self._disabled: executor}
 
     def set_fallback(self, graph: BreakableGraph) -> None:
         """Replay ``graph`` (the breakable form of the same code) when staged metadata does not fit.
@@ -146,7 +151,7 @@ class BreakableGraph:
                 step.in_place = "it is a breakable form (a fallback): its nodes are disabled in place"
                 marked = True
         if marked and graph._executor is not None:  # executors built with trimmed executables: not reused
-            graph._executors = {graph._disabled: graph._executor}
+            graph._set_executor(graph._executor)
         self.fallback = graph
 
     def staged_replays(self) -> tuple[int, dict[str, int]]:
@@ -173,8 +178,7 @@ class BreakableGraph:
         """Replay with ``"python"`` or ``"native"`` (``None``: the best available, as by default)."""
         if self._executor is None:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
-        self._executor = make_executor(self._plan, name)
-        self._executors = {self._disabled: self._executor}
+        self._set_executor(make_executor(self._plan, name))
 
     @property
     def executor(self) -> str:
