@@ -177,6 +177,7 @@ class BreakpointSpec:
     prepare: Callable[[Any], Any] | None = None
     fits: Callable[..., bool] | None = None
     key: Callable[[Any], Any] | None = None
+    prepare_after_launch: bool = False
 
     @property
     def staged(self) -> bool:
@@ -323,6 +324,7 @@ def breakpoint(
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
+    prepare_after_launch: bool = False,
 ) -> Callable[[F], F]: ...
 
 
@@ -337,6 +339,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
+    prepare_after_launch: bool = False,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -357,6 +360,10 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             metadata that ``prepare(live)`` stages in static buffers at every
             replay, whenever ``fits(live)`` (or ``fits(live, staged)``, given what
             ``prepare`` returned at capture); see :mod:`bcg.staging` for the contract.
+        prepare_after_launch: run ``prepare`` after the graph's launch, while the GPU
+            runs the work before the first copy of its buffers, which waits for it
+            (a captured flag wait). ``prepare`` must then never wait on the GPU (a
+            hang) and should not raise for metadata that ``fits``: see :mod:`bcg.staging`.
         key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value
             covering everything host-dynamic its GPU work depends on; its work is
             captured once per key (a *variant*) and replayed from then on, and a
@@ -379,6 +386,8 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     """
     if (prepare is None) != (fits is None):
         raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
+    if prepare_after_launch and prepare is None:
+        raise TypeError("@bcg.breakpoint: prepare_after_launch=True needs prepare= and fits= (a staged breakpoint)")
     if key is not None and not callable(key):
         raise TypeError(f"@bcg.breakpoint: key= takes a function of the live metadata, not {key!r}")
     if capture_stub is not None and prepare is not None:
@@ -397,6 +406,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             prepare=prepare,
             fits=fits,
             key=key,
+            prepare_after_launch=bool(prepare_after_launch),
         )
         active = ACTIVE.get
 

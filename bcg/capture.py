@@ -246,6 +246,7 @@ class CaptureSession(Recorder):
             self.lease.keep(graph)  # never launched; freed with the capture's lease
             raise
         offset = self._generator.get_offset()
+        self.stager.segment_ran(run)  # gated copies of the segment: open for its run at capture
         if run:
             self._capture_run(graph)
         else:
@@ -375,6 +376,10 @@ class CaptureSession(Recorder):
         for step in self.plan:
             step.release()
         self.plan.clear()
+        try:
+            self.stager.settle()  # no gate left open for a segment that never ran
+        except Exception as exc:  # a sticky CUDA error: the context is lost anyway
+            log.debug("bcg: settling the staged gates of an abandoned capture: %r", exc)
         if self.owns_pool:
             self.lease.release()
             torch.cuda.empty_cache()  # an abandoned pool of our own goes back to the driver

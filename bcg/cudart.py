@@ -1,7 +1,8 @@
 """Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime``).
 
 Only what the capture machinery needs: capture status, joining forked work,
-node counts, uploads, edited copies of graphs, launches and DOT dumps; and
+node counts, uploads, edited copies of graphs, launches, DOT dumps and
+stream memory operations (the gates of :mod:`bcg.staging`); and
 the cheapest readers of torch's current device and stream. Handles are plain
 ``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
 ``CUDAGraph.raw_cuda_graph()`` return).
@@ -207,19 +208,50 @@ def driver() -> ModuleType:
     return drv
 
 
+def _driver_call(name: str, *args: Any) -> Any:
+    """Call driver function ``name``; raise on failure; return its outputs after the error code.
+
+    A thread whose first CUDA call this is has no current context (driver calls
+    do not set one up): the current device's primary context is made current,
+    as the runtime would, and the call made again.
+    """
+    drv = driver()
+    fn = getattr(drv, name)
+    result = fn(*args)
+    err = result[0] if isinstance(result, tuple) else result
+    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        rt = runtime()
+        check(rt.cudaSetDevice(check(rt.cudaGetDevice())))
+        result = fn(*args)
+        err = result[0] if isinstance(result, tuple) else result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{name} failed: {err!r}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     """``cuMemsetD32Async``: set ``count`` 32-bit words at device address ``ptr`` to ``value``
     on ``stream``. The value travels in the call, so no host buffer can change under a queued copy."""
+    _driver_call("cuMemsetD32Async", ptr, value, count, stream)
+
+
+def host_device_pointer(host_ptr: int) -> int:
+    """The device address of pinned host memory ``host_ptr`` (``cuMemHostGetDevicePointer``)."""
+    return int(_driver_call("cuMemHostGetDevicePointer", host_ptr, 0))
+
+
+def wait_value32(stream: int, ptr: int, value: int) -> None:
+    """``cuStreamWaitValue32``: work on ``stream`` after this waits until the 32-bit word at
+    ``ptr`` (a device address; of pinned host memory too) equals ``value`` (captured when capturing)."""
     drv = driver()
-    err = drv.cuMemsetD32Async(ptr, value, count, stream)[0]
-    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        # A thread whose first CUDA call this is has no current context (driver calls do not
-        # set one up): make the current device's primary context current, as the runtime would.
-        rt = runtime()
-        check(rt.cudaSetDevice(check(rt.cudaGetDevice())))
-        err = drv.cuMemsetD32Async(ptr, value, count, stream)[0]
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemsetD32Async failed: {err!r}")
+    _driver_call("cuStreamWaitValue32", stream, ptr, value, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+
+
+def write_value32(stream: int, ptr: int, value: int) -> None:
+    """``cuStreamWriteValue32``: ``stream`` writes ``value`` to the 32-bit word at ``ptr`` once the
+    work before it is done (captured when capturing)."""
+    drv = driver()
+    _driver_call("cuStreamWriteValue32", stream, ptr, value, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
 
 
 def copy_device_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:

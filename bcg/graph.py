@@ -88,6 +88,7 @@ class BreakableGraph:
         self._fallback_replays: dict[str, int] = {}
         self._disabled: frozenset[str] = frozenset()  # switchable node groups turned off
         self._executors: dict[frozenset[str], Executor] = {}  # one per set of groups turned off
+        self._launches_first = False  # replays launch before the staged prepare (see install)
 
     # -- filled by capture / make_graph ----------------------------------------------
     def install(self, parts: GraphParts) -> None:
@@ -112,6 +113,10 @@ class BreakableGraph:
         self._executor = make_executor(self._plan) if graph_mode else None
         if self._executor is not None:
             self._executors[self._disabled] = self._executor
+        # Launch, then prepare: only a plan of segments (no breakpoint in between that could wait
+        # on the GPU) whose staged copies all wait at their gates.
+        self._launches_first = (graph_mode and parts.stager is not None and parts.stager.launches_first
+                                and all(isinstance(s, SegmentStep) for s in self._plan))
 
     def _rebuild_executor(self) -> None:
         """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind;
@@ -293,13 +298,18 @@ class BreakableGraph:
                 f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
             )
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
+        launch_first = False
         if stager is not None:
             reason = None if fits_checked else stager.misfit(live)
             if reason is None and breakable:
                 reason = "another rank's metadata does not fit"
             if reason is not None:
                 return self._replay_fallback(reason, live, stitch)
-            stager.prepare(live)  # host writes; the graph copies them in
+            launch_first = self._launches_first
+            if launch_first:
+                stager.wait_for_gates()  # the previous replay's copies took their values
+            else:
+                stager.prepare(live)  # host writes; the graph copies them in
             self._inline_replays += 1
         if parts.guards is not None:
             parts.guards.check()
@@ -307,6 +317,7 @@ class BreakableGraph:
             parts.poison.apply()
         token = set_live(live)
         self._replaying += 1
+        failed = True
         try:
             if executor is None:
                 parts.rerun()  # type: ignore[misc]
@@ -318,9 +329,17 @@ class BreakableGraph:
                 cudart.launch(stitched, _current_stream(device))  # every keyed step hit: one launch
             else:
                 executor.run()
+            failed = False
         finally:
             self._replaying -= 1
             reset_live(token)
+            if stager is not None:
+                try:
+                    if launch_first:
+                        stager.prepare_launched(live)  # the graph waits at its gates for these writes
+                finally:
+                    if failed:
+                        stager.settle()  # a gated copy that never launched leaves no gate open
         return self.outputs
 
     def set_enabled(self, label: str, enabled: bool) -> bool:
@@ -396,9 +415,16 @@ class BreakableGraph:
         return stager.misfit(live) if stager is not None else None
 
     def prepare_staged(self, live: Any) -> None:
-        """Run the staged breakpoints' ``prepare`` for ``live`` (what :meth:`replay` does before launching)."""
+        """Run the staged breakpoints' ``prepare`` for ``live`` and open their gates (what :meth:`replay`
+        does before launching, or right after with ``prepare_after_launch``)."""
         if self._parts.stager is not None:
             self._parts.stager.prepare(live)
+
+    def settle_staged(self) -> None:
+        """After a step-by-step replay that raised (:mod:`bcg.verify`): close any gate left open
+        with no queued copy to read it. Waits for the current stream."""
+        if self._parts.stager is not None:
+            self._parts.stager.settle()
 
     def would_stitch(self, live: Any, breakable: bool | None = None) -> bool:
         """Whether a replay with ``live`` would be one stitched launch (keyed breakpoints all hit;
@@ -473,6 +499,7 @@ class BreakableGraph:
             step.release()
         self._plan = ()
         self._executor = None
+        self._launches_first = False
         self._parts = GraphParts(plan=(), capture_s=0.0)
         self.source = None
         self.hold(None)

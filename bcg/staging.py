@@ -36,6 +36,30 @@ first waits until the GPU has read the previous value (an event recorded right
 after the graph's copy), so a replay queued behind others never reads a value
 meant for a later one. The host blocks only when the queue is so deep that the
 previous replay's copy has not run yet.
+
+``@bcg.breakpoint(..., prepare_after_launch=True)`` takes ``prepare`` off the
+host's path before the launch. Each copy of a buffer it writes is captured
+behind a *gate*: the graph waits (``cuStreamWaitValue32``) until a pinned flag
+of the buffer says its value is written, copies it, and clears the flag
+(``cuStreamWriteValue32``). A replay of a graph whose staged breakpoints all
+ask for it, and whose plan is segments only (no breakpoint steps), launches
+first and runs ``prepare`` while the GPU runs the work before the first copy
+(in a model: the first layer's work before attention); then bcg sets the
+flags. Other replays run ``prepare`` first, as above, and set the flags before
+the launch. Constraints:
+
+* ``prepare`` must never wait on the GPU (``.item()``, ``.cpu()``, a
+  synchronize): the graph it would wait for is waiting for ``prepare``; a hang.
+  (The capture runs ``prepare`` while capturing, where such calls fail.)
+* A ``prepare`` that raises after the launch leaves the launched replay to run
+  with the values staged at capture (restored, so that its kernels read
+  metadata within their bounds); the exception says so. Its outputs, and
+  anything else the graph writes (a KV cache), are then not this call's.
+* One replay at a time per buffer, from one thread (as :class:`bcg.GraphRunner`
+  serializes its calls): before its launch a replay waits until the previous
+  one's copy has taken the value it was released for.
+* The flags are plain stores, ordered after the values' on x86 (TSO); on
+  other hosts bcg runs ``prepare`` before the launch.
 """
 
 from __future__ import annotations
@@ -43,7 +67,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import platform
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -51,6 +77,7 @@ import torch
 
 from bcg import cudart
 from bcg.breakpoint import BreakpointSpec, Recorder, live
+from bcg.errors import CaptureError, add_note
 
 log = logging.getLogger("bcg")
 
@@ -61,6 +88,10 @@ _STRUCT_CODES = {
     torch.float16: "e", torch.float32: "f", torch.float64: "d",
 }
 
+
+# Hosts whose stores become visible in program order (TSO), where a flag set after the values
+# never reaches the GPU before them: only there does a replay launch before its prepare.
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 # The buffers written since the innermost ``collecting()`` began (None: nobody collects).
 _WRITTEN: contextvars.ContextVar[list[StagingBuffer] | None] = contextvars.ContextVar("bcg_staged", default=None)
@@ -99,6 +130,12 @@ class StagingBuffer:
         self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
         self._host_buffer = self.host.numpy().reshape(-1)
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
+        # The gate of the copies captured behind one: a pinned int32 flag, 1 from release() until
+        # a queued gated copy has read the value (the GPU writes 0). Allocated here: pinning
+        # memory during a capture is not allowed.
+        self._gate: torch.Tensor | None = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else None
+        self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
+        self._gate_address = 0  # its device address (the captured wait and write)
 
     @property
     def device(self) -> torch.Tensor:
@@ -109,6 +146,8 @@ class StagingBuffer:
         """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
         into the pinned host copy."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
+        if self._gate_flag is not None and self._gate_flag[0]:
+            self.wait_for_gate()  # a queued gated copy has not read the value released for it
         if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device
             # synchronize, so nothing is queued then, and waiting is not allowed.) Replays
@@ -132,18 +171,59 @@ class StagingBuffer:
         if written is not None and self not in written:
             written.append(self)
 
-    def upload(self) -> None:
-        """Copy the host value to the device on the current stream (captured when capturing)."""
+    def upload(self, gated: bool = False) -> bool:
+        """Copy the host value to the device on the current stream (captured when capturing).
+
+        Arguments:
+            gated: when capturing, capture the copy behind the buffer's gate: the
+                graph waits until :meth:`release`, copies, and clears the gate.
+
+        Returns whether the copy was captured behind the gate.
+        """
         if self._read is None:
             self._device_tensor.copy_(self.host)
-            return
+            return False
         stream = torch.cuda.current_stream(self._device_tensor.device)
-        if torch.cuda.is_current_stream_capturing():
-            nbytes = self.host.numel() * self.host.element_size()
-            cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
-        else:
+        if not torch.cuda.is_current_stream_capturing():
             self._device_tensor.copy_(self.host, non_blocking=True)
-        self._read.record(stream)
+            self._read.record(stream)
+            return False
+        handle = stream.cuda_stream
+        nbytes = self.host.numel() * self.host.element_size()
+        if gated:
+            self._make_gate()
+            cudart.wait_value32(handle, self._gate_address, 1)
+        cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
+        if gated:
+            # No event behind a gate: a write made after the launch would wait on this replay's.
+            cudart.write_value32(handle, self._gate_address, 0)
+        else:
+            self._read.record(stream)
+        return gated
+
+    def _make_gate(self) -> None:
+        if self._gate_flag is None:
+            assert self._gate is not None
+            self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
+            self._gate_flag = self._gate.numpy()
+
+    def release(self) -> None:
+        """Open the gate: the next gated copy to run reads the value written now."""
+        self._gate_flag[0] = 1
+
+    def wait_for_gate(self) -> None:
+        """Wait until no released value is still to be read by a queued gated copy."""
+        flag = self._gate_flag
+        spins = 0
+        while flag[0]:
+            spins += 1
+            if spins > 2000:  # a deep queue: let other threads run
+                time.sleep(2e-5)
+
+    def close_gate(self) -> None:
+        """Clear a gate no queued copy will read (after a failed replay, with the stream drained)."""
+        if self._gate_flag is not None:
+            self._gate_flag[0] = 0
 
 
 @contextlib.contextmanager
@@ -182,6 +262,11 @@ class Stager:
         self._values: list[Any] = []  # what each prepare returned when recorded
         self.names: list[str] = []  # the staged breakpoints recorded inline, each name once
         self.misfits: list[str] = []  # those recorded as breakpoints: their metadata did not fit
+        self._buffers: dict[int, str] = {}  # id of each buffer uploaded -> the breakpoint whose prepare wrote it
+        self._gated: list[StagingBuffer] = []  # the buffers whose copies were captured behind their gate
+        self._capture_values: list[torch.Tensor] = []  # their host values at capture (bounds that fit)
+        self._armed: list[StagingBuffer] = []  # gated copies of the capture's open segment, not yet run
+        self._prepare_first = False  # a prepare recorded without gated copies: it runs before the launch
 
     def _index(self, spec: BreakpointSpec) -> int | None:
         return next((i for i, p in enumerate(self._prepares) if p == spec.prepare), None)
@@ -204,15 +289,70 @@ class Stager:
                 return reason
         return None
 
+    @property
+    def launches_first(self) -> bool:
+        """Whether a replay may launch before :meth:`prepare_launched`: every ``prepare`` asked for
+        it and each buffer it writes is copied behind its gate (on a host whose stores are ordered)."""
+        return bool(self._gated) and not self._prepare_first and _ORDERED_STORES
+
     def prepare(self, live: Any) -> None:
-        """Run every ``prepare`` once (host writes; a graph copies them in)."""
+        """Run every ``prepare`` once (host writes; a graph copies them in), then open the gates."""
         for prepare in self._prepares:
             prepare(live)
+        for buf in self._gated:
+            buf.release()
+
+    def wait_for_gates(self) -> None:
+        """Before a launch that runs ahead of :meth:`prepare_launched`: wait until the replays
+        queued before have read the values they were released for."""
+        for buf in self._gated:
+            if buf._gate_flag[0]:
+                buf.wait_for_gate()
+
+    def prepare_launched(self, live: Any) -> None:
+        """:meth:`prepare` for a replay already launched, which waits at its gates.
+
+        A ``prepare`` that raises opens them on the values staged at capture
+        (the launched kernels read metadata within their bounds), and its
+        exception says so.
+        """
+        try:
+            self.prepare(live)
+        except BaseException as exc:
+            for buf, value in zip(self._gated, self._capture_values):
+                buf.host.copy_(value)
+                buf.release()
+            add_note(exc, "bcg: raised by a staged prepare (prepare_after_launch=True) after its graph was launched: "
+                     "the replay ran with the metadata staged at capture, so its outputs (and anything else the "
+                     "graph writes) are not this call's. The graph stays replayable")
+            raise
+
+    def settle(self) -> None:
+        """After a replay that raised: no gate stays open with no queued copy to read it (which
+        would hand a stale value to the next replay). Waits for the current stream."""
+        if not self._gated:
+            return
+        for buf in self._gated:  # copies queued before the failure run to their end
+            buf.release()
+        try:
+            torch.cuda.current_stream(self._gated[0].device.device).synchronize()
+        finally:
+            for buf in self._gated:
+                buf.close_gate()
+
+    def segment_ran(self, ran: bool) -> None:
+        """A capture closed its open segment: launched it (``ran``: its gates open for that run,
+        on the values ``prepare`` wrote at capture), or did not (they stay closed)."""
+        if ran:
+            for buf in self._armed:
+                buf.release()
+        self._armed.clear()
 
     def prepare_and_upload(self, live: Any) -> None:
-        """:meth:`prepare`, then copy what it wrote to the device now (eager runs)."""
+        """Run every ``prepare``, then copy what it wrote to the device now (eager runs)."""
         with collecting() as written:
-            self.prepare(live)
+            for prepare in self._prepares:
+                prepare(live)
         for buf in written:
             buf.upload()
 
@@ -257,13 +397,35 @@ class Stager:
         if i is None:
             if written is None:
                 staged, written = recorder.run_breakpoint(stage, (spec, value), {})
-            for buf in written:
-                buf.upload()  # captured, when capturing: the graph copies the host value in
+            self._upload(spec, written)
             self._prepares.append(spec.prepare)
             self._values.append(staged)
         if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v, _ in self._fits):
             self._fits.append((spec, staged, f"{spec.name} does not fit"))
         return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
+
+
+    def _upload(self, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
+        """Upload the buffers ``spec``'s ``prepare`` wrote: captured, when capturing (behind their
+        gates with ``prepare_after_launch``), so the graph copies the host values in."""
+        for buf in written:
+            other = self._buffers.get(id(buf))
+            if other is not None:
+                raise CaptureError(
+                    f"staged breakpoints {other!r} and {spec.name!r} have different prepare functions that "
+                    "write one StagingBuffer: a replay runs both before the graph copies it, so the kernels "
+                    "of the first would read the second's value. Share one prepare function (the same "
+                    "object), or give each its own buffer"
+                )
+            self._buffers[id(buf)] = spec.name
+        gated = [buf.upload(gated=spec.prepare_after_launch) for buf in written]
+        for buf, behind_gate in zip(written, gated):
+            if behind_gate:
+                self._gated.append(buf)
+                self._capture_values.append(buf.host.clone())
+                self._armed.append(buf)
+        if not all(gated) or not written:
+            self._prepare_first = True
 
 
 class StagedTiers(tuple):  # type: ignore[type-arg]

@@ -215,15 +215,20 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
         ran.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
     taps: list[_Tap] = []
     with live_scope(live):
-        for step in plan:
-            if isinstance(step, BreakpointStep):
-                tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
-                step.launch()
-                bridges = step.bridges.tensors() if step.bridges is not None else []
-                tap.outputs = _written_tensors(step.spec, bridges, step.args, step.kwargs)
-                taps.append(tap)
-            else:
-                step.launch()
+        try:
+            for step in plan:
+                if isinstance(step, BreakpointStep):
+                    tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
+                    step.launch()
+                    bridges = step.bridges.tensors() if step.bridges is not None else []
+                    tap.outputs = _written_tensors(step.spec, bridges, step.args, step.kwargs)
+                    taps.append(tap)
+                else:
+                    step.launch()
+        except BaseException:
+            if ran is graph:
+                graph.settle_staged()  # a gate opened for a segment that did not launch
+            raise
     if plan is not graph.plan:
         copy_outputs_into(graph.outputs, graph.fallback.outputs, "the breakable form")  # type: ignore[union-attr]
     return taps, _tensors(graph.outputs), plan

@@ -6,8 +6,11 @@ the bare graph, its executors and the floor, with the GPU idle before each (cold
 completion; last, in rounds, the runner's call cut into timed stages (a copy of its path for inputs
 from ``input_buffers``, as at this commit), next to the real call, the floor and an ideal runner:
 the live metadata, the tiers' ``fits``, ``prepare``, the live value set and one native launch, and
-nothing else (the least host time any runner of this design can take). A diagnostic that reaches
-into the runner's private state; not a bench row.
+nothing else (the least host time any runner of this design can take). All of this with ``prepare``
+before the launch (``--no-prepare-after-launch``: the pieces run forms directly, which a gated form
+would not allow); last, whole calls of a second runner whose ``prepare`` runs after the launch
+(``prepare_after_launch``, the workload's default), interleaved with the first and the floor.
+A diagnostic that reaches into the runner's private state; not a bench row.
 Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen] [compile]`` (``compile``: the
 runner over the torch.compile'd regions, against ``floor-compile``).
 """
@@ -24,7 +27,8 @@ from bcg.replay import stream_readers
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 attn = sys.argv[2] if len(sys.argv) > 2 else "flash"
 compiled = "compile" in sys.argv[3:]
-args = cli.parse_args(["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"])
+argv = ["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"]
+args = cli.parse_args(argv + ["--no-prepare-after-launch"])
 dev = torch.device("cuda")
 model = llama.setup(args, dev)
 case = llama.make_case(model, args, dev, attn, T)
@@ -194,3 +198,27 @@ for r in range(3):
           {k: round(statistics.median(c), 2) for k, c in zip(stages, zip(*stamps))}, flush=True)
     print(f"round {r}: host-only us: runner call {statistics.median(real_us):.1f}, ideal runner "
           f"{statistics.median(ideal_us):.1f}, floor replay {statistics.median(floor_us):.1f}", flush=True)
+
+# -- prepare after the launch: whole calls of a gated runner, interleaved with the first and the floor --
+args_gated = cli.parse_args(argv)
+assert args_gated.prepare_after_launch
+case_gated = llama.make_case(model, args_gated, dev, attn, T)
+built_gated = modes._bcg_staged(case_gated, registry.BuildContext(), compiled=compiled)
+runner_gated = [c.cell_contents for c in built_gated.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
+inputs_gated = runner_gated.input_buffers(T)
+assert runner_gated.graph(T)._launches_first and all(t._launches_first for t in runner_gated.tiers(T))
+call_gated = lambda: runner_gated(*inputs_gated, live=case_gated.staged.fresh_live())
+for _ in range(20):
+    call_gated()
+torch.cuda.synchronize()
+for r in range(3):
+    host = {"prepare first": [], "after launch": [], "floor": []}
+    wall = {k: [] for k in host}
+    for _ in range(100):
+        for k, fn in (("prepare first", call), ("after launch", call_gated), ("floor", fl.run)):
+            torch.cuda.synchronize(); t0 = ns(); fn(); t1 = ns(); torch.cuda.synchronize(); t2 = ns()
+            host[k].append((t1 - t0) / 1e3); wall[k].append((t2 - t0) / 1e3)
+    print(f"round {r}: host-only us:", {k: round(statistics.median(v), 1) for k, v in host.items()},
+          "wall us:", {k: round(statistics.median(v), 1) for k, v in wall.items()},
+          "wall ratio to floor:", {k: round(statistics.median([a / b for a, b in zip(v, wall["floor"])]), 4)
+                                   for k, v in wall.items() if k != "floor"}, flush=True)

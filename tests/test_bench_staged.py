@@ -56,6 +56,16 @@ def test_slots_flag() -> None:
     assert llama.config(args, torch.device("cpu"))["slots"] == 3
 
 
+def test_prepare_after_launch_flag_reaches_the_staged_breakpoints() -> None:
+    model = llama.setup(cli.parse_args(["--shape", "tiny", "--tokens", "16"]), torch.device("cpu"))
+    for argv, after in (([], True), (["--no-prepare-after-launch"], False)):
+        args = cli.parse_args(["--shape", "tiny", "--tokens", "16", *argv])
+        assert args.prepare_after_launch is after and llama.config(args, torch.device("cpu"))["prepare_after_launch"] is after
+        staged = model.staged_attention(args.slots, args.prepare_after_launch)
+        assert all(bp.__bcg_breakpoint__.prepare_after_launch is after for bp in staged.breakpoints.values())
+    assert model.staged_attention(8, True) is not model.staged_attention(8, False)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_bad_slots_exit_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -157,6 +157,42 @@ def test_the_decorator_wants_prepare_and_fits_together_and_no_stub() -> None:
     assert spec.staged
 
 
+def test_prepare_after_launch_needs_a_staged_breakpoint_and_changes_no_eager_semantics() -> None:
+    with pytest.raises(TypeError, match="prepare_after_launch"):
+        bcg.breakpoint(prepare_after_launch=True)(lambda x: x)
+    staging, seen = _Staging(), []
+    sums = bcg.breakpoint(name="sums", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
+                          prepare_after_launch=True)(lambda x, out: (seen.append(bcg.live()), out.copy_(x))[1])
+    assert sums.__bcg_breakpoint__.prepare_after_launch
+    x, out = torch.randn(3, 2), torch.empty(3, 2)
+    with bcg.live_scope((1, 2)):
+        sums(x, out)  # a plain call: no prepare
+    assert staging.prepared == [] and seen == [(1, 2)] and torch.equal(out, x)
+    graph = bcg.make_graph(lambda x: sums(x, torch.empty_like(x)), x, mode="eager", live=(1, 2))
+    staging.prepared.clear()
+    graph.replay((3,))  # eager mode: prepared and uploaded before the work, as without the flag
+    assert staging.prepared == [(3,)] and staging.buffer.device.tolist() == [0, 3, 3, 3]
+
+
+def test_two_prepares_writing_one_buffer_are_refused_at_recording() -> None:
+    staging = _Staging()
+    other = _Staging()
+    other.buffer = staging.buffer  # a second prepare function over the same buffer
+    first = bcg.breakpoint(name="first", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(
+        lambda x, out: out.copy_(x))
+    second = bcg.breakpoint(name="second", mutates=("out",), prepare=other.prepare, fits=other.fits)(
+        lambda x, out: out.copy_(x))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        first(x, out)
+        second(x, out)
+        return out
+
+    with pytest.raises(bcg.CaptureError, match="'first' and 'second' have different prepare functions"):
+        bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
+
+
 def test_staging_buffer_takes_exactly_its_size() -> None:
     buf = bcg.StagingBuffer(4, dtype=torch.int32, device="cpu")
     buf.write([0, 1, 3, 3])

@@ -34,6 +34,9 @@ Each runner bucket also keeps staged tiers (:class:`bcg.StagedTiers`) for fewer
 slots (``--slot-tiers``, default the powers of two from 2 below ``--slots``): a
 batch runs the first whose slots hold its requests, so it does not pay for
 empty slots. A batch of more requests than ``--slots`` runs the breakable form.
+Its ``prepare`` runs after the graph's launch, while the GPU runs the first
+layer's work before attention (``prepare_after_launch=True``); with
+``--no-prepare-after-launch``, before the launch.
 """
 
 from __future__ import annotations
@@ -161,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slots", type=positive_int, default=8, metavar="R",
                    help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
                    "requests replays the breakable form (default 8)")
+    g.add_argument("--prepare-after-launch", action=argparse.BooleanOptionalAction, default=True,
+                   help="the staged attention's prepare runs after the graph's launch, which waits for it at "
+                   "a captured gate (default); --no-prepare-after-launch: before the launch")
     g.add_argument("--slot-tiers", type=slot_tiers, default=None, metavar="K,...",
                    help="slot counts below R captured as staged tiers of each runner bucket "
                    "(bcg.StagedTiers): a batch of at most K requests replays the K-slot form "
@@ -261,6 +267,7 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "attn": list(args.attn),
         "slots": args.slots,
         "slot_tiers": tiers_of(args),
+        "prepare_after_launch": args.prepare_after_launch,
         "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
     }
 
@@ -451,7 +458,7 @@ class LlamaModel:
         # the same forward without the all-reduces (mode floor-no-allreduce: their share of the time)
         self.regions_no_reduce = Regions(H, KV, D, h) if tp is not None else None
         self._compiled: Regions | None = None
-        self._staged: dict[int, StagedAttention] = {}
+        self._staged: dict[tuple[int, bool], StagedAttention] = {}
 
     @property
     def nbytes(self) -> int:
@@ -466,11 +473,13 @@ class LlamaModel:
             self._compiled = self.regions.compiled()
         return self._compiled
 
-    def staged_attention(self, slots: int) -> StagedAttention:
-        """The staged attentions over ``slots`` request slots on this model's device (made once)."""
-        if slots not in self._staged:
-            self._staged[slots] = StagedAttention(slots, self.device)
-        return self._staged[slots]
+    def staged_attention(self, slots: int, after_launch: bool = True) -> StagedAttention:
+        """The staged attentions over ``slots`` request slots on this model's device (made once
+        per ``slots`` and ``after_launch``)."""
+        key = (slots, after_launch)
+        if key not in self._staged:
+            self._staged[key] = StagedAttention(slots, self.device, after_launch)
+        return self._staged[key]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
         r = regions or self.regions
@@ -685,15 +694,18 @@ class StagedAttention:
     Arguments:
         slots: R, the most requests of a batch that runs inline (:meth:`fits`).
         device: the device of the staged ``cu_seqlens`` (where the kernels run).
+        after_launch: ``prepare_after_launch`` of the breakpoints (its ``prepare`` is
+            host-only, and raises only for more requests than slots, which ``fits`` refuses).
     """
 
-    def __init__(self, slots: int, device: torch.device) -> None:
+    def __init__(self, slots: int, device: torch.device, after_launch: bool = True) -> None:
         self.slots = slots
         self.cu = bcg.StagingBuffer((slots + 1,), dtype=torch.int32, device=device)
         self._prefixes: dict[int, torch.Tensor] = {}  # k -> cu.device[:k + 1], made once (a slice costs ~1 us)
         prepare, fits = self.prepare, self.fits  # one object each, shared by the breakpoints
         self.breakpoints: dict[str, Any] = {
-            attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
+            attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits,
+                                 prepare_after_launch=after_launch)
             for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
         }
 
@@ -812,7 +824,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
-        staged = model.staged_attention(args.slots)
+        staged = model.staged_attention(args.slots, args.prepare_after_launch)
         case.staged = dataclasses.replace(
             case,
             bp=staged.breakpoints[attn],
@@ -874,7 +886,7 @@ def _ladder(
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
-    staged_attention = model.staged_attention(args.slots)
+    staged_attention = model.staged_attention(args.slots, args.prepare_after_launch)
     bp = staged_attention.breakpoints["varlen"] if staged else attention_varlen
 
     lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens

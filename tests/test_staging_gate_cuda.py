@@ -1,0 +1,220 @@
+"""Staged breakpoints with ``prepare_after_launch=True`` on a GPU: the graph is launched first and
+waits, at a captured gate, for the metadata ``prepare`` writes after the launch."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+import bcg
+from tests.test_staging_cuda import (
+    DTYPE, HIDDEN, SLOTS, Block, Meta, Staging, TieredStaging, _attention_body, _capture_meta, _eager, _lengths,
+    _runner,
+)
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machines
+    pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
+
+
+class GatedStaging(Staging):
+    """Staging whose ``prepare`` can look at the stream, sleep, or raise after the launch."""
+
+    def __init__(self, forget_last: bool = False) -> None:
+        super().__init__(forget_last)
+        self.sleep_s = 0.0
+        self.stream_idle: list[bool] = []  # per prepare: was the current stream idle (nothing queued)?
+        self.raise_next = False
+
+    def prepare(self, meta: Meta) -> Meta:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+            self.stream_idle.append(torch.cuda.current_stream().query())
+        if self.raise_next:
+            self.raise_next = False
+            raise RuntimeError("prepare failed")
+        return super().prepare(meta)
+
+
+def _gated_attention(staging: Staging):  # noqa: ANN202
+    return bcg.breakpoint(name="attn", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
+                          prepare_after_launch=True)(_attention_body)
+
+
+def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -> None:
+    staging = GatedStaging()
+    block = Block(_gated_attention(staging), layers=3)
+    buckets = [64, 256]
+    runner = _runner(block, buckets)
+    assert runner.graph(256).stats().staged == ("attn",)
+    rng = random.Random(3)
+    inline = fallback = 0
+    for i in range(100):
+        T = rng.randint(SLOTS + 1, 256)
+        requests = rng.randint(1, SLOTS + 1)  # SLOTS + 1 does not fit: the breakable form runs
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        staging.sleep_s = 0.02 if i % 25 == 0 else 0.0
+        idle_before = len(staging.stream_idle)
+        y = runner(x, live=meta)
+        if staging.sleep_s and requests <= SLOTS:
+            # 20 ms after the launch the graph (well under 1 ms of work) has not finished: it waits
+            # at its gate for this prepare's metadata
+            assert staging.stream_idle[idle_before:] == [False], f"call {i}"
+        assert torch.equal(y, _eager(block, x, meta)), f"call {i}: T={T}, lengths={meta.lengths}"
+        inline += requests <= SLOTS
+        fallback += requests > SLOTS
+    stats = runner.stats()
+    assert stats["inline_replays"] == inline and inline > 0
+    assert stats["staged_fallbacks"] == {"attn does not fit": fallback} and fallback > 0
+    runner.reset()
+
+
+def test_replays_queued_behind_a_busy_gpu_each_read_their_own_metadata() -> None:
+    staging = GatedStaging()
+    block = Block(_gated_attention(staging))
+    runner = _runner(block, [128])
+    rng = random.Random(5)
+    calls = []
+    for _ in range(2):
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time: the host runs ahead of it
+        for _ in range(12):
+            meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+            x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+            calls.append((x, meta, runner(x, live=meta).clone()))  # the clone is queued after the replay
+    torch.cuda.synchronize()
+    for i, (x, meta, y) in enumerate(calls):
+        assert torch.equal(y, _eager(block, x, meta)), f"call {i}: lengths={meta.lengths}"
+    assert runner.stats()["inline_replays"] == len(calls)
+    runner.reset()
+
+
+def test_a_prepare_that_raises_after_the_launch_says_so_and_the_next_call_is_right() -> None:
+    staging = GatedStaging()
+    block = Block(_gated_attention(staging))
+    runner = _runner(block, [128])
+    rng = random.Random(9)
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    staging.raise_next = True
+    with pytest.raises(RuntimeError, match="prepare failed") as info:
+        runner(x, live=Meta(_lengths(rng, 128, 2)))
+    assert any("metadata staged at capture" in note for note in getattr(info.value, "__notes__", []))
+    torch.cuda.synchronize()  # the launched replay ran to its end (with the capture's metadata)
+    for _ in range(5):
+        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+        x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+        assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), meta.lengths
+    runner.reset()
+
+
+def test_staged_tiers_share_the_buffer_and_its_gate() -> None:
+    class GatedTiers(TieredStaging):
+        pass
+
+    staging = GatedTiers()
+    attention = bcg.breakpoint(name="attn", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
+                               prepare_after_launch=True)(_attention_body)
+    block = Block(attention)
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        return bcg.StagedTiers(*(Meta(_lengths(random.Random(k), n, min(k, n)), slots=k) for k in (1, 2)),
+                               _capture_meta(n))
+
+    runner = _runner(block, [96, 192], capture_live=tiers)
+    rng = random.Random(13)
+    calls = []
+    for _ in range(60):  # tiers of 1 and 2 slots, the bucket's 4, and the breakable form, interleaved
+        T = rng.randint(SLOTS + 1, 192)
+        meta = Meta(_lengths(rng, T, rng.randint(1, SLOTS + 1)))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        calls.append((x, meta, runner(x, live=meta).clone()))
+    torch.cuda.synchronize()
+    for i, (x, meta, y) in enumerate(calls):
+        assert torch.equal(y, _eager(block, x, meta)), f"call {i}: lengths={meta.lengths}"
+    runner.reset()
+
+
+def test_a_breakpoint_that_raises_before_the_gated_segment_leaves_no_gate_open() -> None:
+    staging = GatedStaging()
+    attention = _gated_attention(staging)
+    fail = [False]
+
+    @bcg.breakpoint(name="host_step", mutates=())
+    def host_step(x: torch.Tensor) -> None:
+        if fail[0]:
+            raise ValueError("host step failed")
+
+    block = Block(attention)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        host_step(x)  # a breakpoint before the staged attention: prepare runs before the launch
+        return block(x)
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    rng = random.Random(17)
+    graph = bcg.make_graph(forward, x, live=Meta(_lengths(rng, 128, SLOTS)))
+    assert graph.num_breakpoints == 1
+    fail[0] = True
+    with pytest.raises(ValueError, match="host step failed"):
+        graph.replay(Meta(_lengths(rng, 128, 2)))  # prepared, gate opened; the gated segment never launched
+    fail[0] = False
+    for _ in range(5):
+        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
+        out = graph.replay(meta)
+        with bcg.live_scope(meta), torch.no_grad():
+            assert torch.equal(out, forward(x)), meta.lengths
+    graph.reset()
+
+
+@pytest.mark.parametrize("compute_outputs", [True, False])
+def test_a_capture_leaves_the_gate_closed_whether_it_runs_the_segment_or_not(compute_outputs: bool) -> None:
+    staging = GatedStaging()
+    block = Block(_gated_attention(staging))
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
+    rng = random.Random(19)
+    graph = bcg.BreakableGraph()
+    meta0 = Meta(_lengths(rng, 64, 3))
+    with torch.no_grad(), bcg.capture(graph, live=meta0, compute_outputs=compute_outputs):
+        out = block(x)
+    torch.cuda.synchronize()  # a segment run at capture has read its gate's value
+    if compute_outputs:
+        assert torch.equal(out, _eager(block, x, meta0))
+    for _ in range(5):
+        meta = Meta(_lengths(rng, 64, rng.randint(1, SLOTS)))
+        x.copy_(torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE))
+        graph.replay(meta)  # a gate left open would hand this replay the previous value
+        assert torch.equal(out, _eager(block, x, meta)), meta.lengths
+    graph.reset()
+
+
+def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare() -> None:
+    def make_inputs() -> tuple[torch.Tensor]:
+        return (torch.randn(96, HIDDEN, device="cuda", dtype=DTYPE),)
+
+    rng = random.Random(23)
+    samples = [Meta(_lengths(rng, 96, r)) for r in (1, 2, 3, 4, 5)]
+    report = bcg.verify(Block(_gated_attention(GatedStaging())), make_inputs, samples)
+    assert report.ok and report.samples == 5
+    with pytest.raises(bcg.VerificationError, match="output"):
+        bcg.verify(Block(_gated_attention(GatedStaging(forget_last=True))), make_inputs, samples)
+
+
+def test_without_the_flag_prepare_runs_before_the_launch() -> None:
+    staging = GatedStaging()
+    attention = bcg.breakpoint(name="attn", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(
+        _attention_body)
+    runner = _runner(Block(attention), [64])
+    torch.cuda.synchronize()
+    staging.sleep_s = 0.01
+    meta = Meta(_lengths(random.Random(29), 64, 2))
+    runner(torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE), live=meta)
+    torch.cuda.synchronize()
+    assert staging.stream_idle == [True]  # nothing of this call was queued yet
+    assert list(itertools.accumulate(meta.lengths, initial=0)) == staging.buffer.device.tolist()[:3]
+    runner.reset()
