@@ -153,7 +153,15 @@ def _node_type_names() -> dict[Any, str]:
 
 def node_type(node: Any) -> str:
     """``"kernel"``, ``"memcpy"``, ``"memset"``, ... (``"other"`` for the rest)."""
-    return _node_type_names().get(check(runtime().cudaGraphNodeGetType(node)), "other")
+    rt = runtime()
+    err, kind = rt.cudaGraphNodeGetType(node)
+    if err != rt.cudaError_t.cudaSuccess:
+        # The runtime has no type for some driver nodes (cudaErrorUnknown on CUDA 13 for the
+        # stream memory operations of bcg.staging's gates): not a failure, just not named. The
+        # error is cleared, or torch's next launch check (cudaGetLastError) would raise it.
+        rt.cudaGetLastError()
+        return "other"
+    return _node_type_names().get(kind, "other")
 
 
 def node_type_counts(graph: int) -> Counter[str]:
