@@ -246,7 +246,7 @@ class CaptureSession(Recorder):
             self.lease.keep(graph)  # never launched; freed with the capture's lease
             raise
         offset = self._generator.get_offset()
-        self.stager.segment_ran(run)  # gated copies of the segment: open for its run at capture
+        self.stager.segment_ran(run, int(self.replay_stream.cuda_stream))  # gated copies: open for its run
         if run:
             self._capture_run(graph)
         else:

@@ -155,12 +155,13 @@ def node_type(node: Any) -> str:
     """``"kernel"``, ``"memcpy"``, ``"memset"``, ... (``"other"`` for the rest)."""
     rt = runtime()
     err, kind = rt.cudaGraphNodeGetType(node)
-    if err != rt.cudaError_t.cudaSuccess:
+    if err == rt.cudaError_t.cudaErrorUnknown:
         # The runtime has no type for some driver nodes (cudaErrorUnknown on CUDA 13 for the
         # stream memory operations of bcg.staging's gates): not a failure, just not named. The
         # error is cleared, or torch's next launch check (cudaGetLastError) would raise it.
         rt.cudaGetLastError()
         return "other"
+    check(err)
     return _node_type_names().get(kind, "other")
 
 
@@ -196,6 +197,16 @@ def begin_capture(stream: int) -> None:
     check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed))
 
 
+def stream_idle(stream: int) -> bool:
+    """Whether all work queued on ``stream`` is done (``cudaStreamQuery``); raises its CUDA error."""
+    rt = runtime()
+    err = rt.cudaStreamQuery(stream)[0]
+    if err == rt.cudaError_t.cudaErrorNotReady:
+        return False
+    check(err)
+    return True
+
+
 def upload(graph_exec: int, stream: int) -> None:
     """Upload an executable graph so its first launch costs what later ones do."""
     check(runtime().cudaGraphUpload(graph_exec, stream))
@@ -217,7 +228,7 @@ def driver() -> ModuleType:
 
 
 def _driver_call(name: str, *args: Any) -> Any:
-    """Call driver function ``name``; raise on failure; return its outputs after the error code.
+    """Call driver function ``name``; raise on failure; return its one output (None: it has none).
 
     A thread whose first CUDA call this is has no current context (driver calls
     do not set one up): the current device's primary context is made current,
@@ -234,7 +245,7 @@ def _driver_call(name: str, *args: Any) -> Any:
         err = result[0] if isinstance(result, tuple) else result
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{name} failed: {err!r}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:

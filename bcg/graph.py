@@ -306,19 +306,20 @@ class BreakableGraph:
             if reason is not None:
                 return self._replay_fallback(reason, live, stitch)
             launch_first = self._launches_first
-            if launch_first:
-                stager.wait_for_gates()  # the previous replay's copies took their values
-            else:
-                stager.prepare(live)  # host writes; the graph copies them in
             self._inline_replays += 1
-        if parts.guards is not None:
-            parts.guards.check()
-        if parts.poison is not None:
-            parts.poison.apply()
         token = set_live(live)
         self._replaying += 1
         failed = True
         try:
+            if parts.guards is not None:
+                parts.guards.check()
+            if parts.poison is not None:
+                parts.poison.apply()
+            if stager is not None:
+                if launch_first:
+                    stager.wait_for_gates()  # the previous replay's copies took their values
+                else:
+                    stager.prepare(live)  # host writes; the graph copies them in
             if executor is None:
                 parts.rerun()  # type: ignore[misc]
             elif _profiler._is_profiler_enabled:
@@ -334,12 +335,10 @@ class BreakableGraph:
             self._replaying -= 1
             reset_live(token)
             if stager is not None:
-                try:
-                    if launch_first:
-                        stager.prepare_launched(live)  # the graph waits at its gates for these writes
-                finally:
-                    if failed:
-                        stager.settle()  # a gated copy that never launched leaves no gate open
+                if failed:
+                    stager.settle()  # no gate left open, and no launched copy left waiting at one
+                elif launch_first:
+                    stager.prepare_launched(live)  # the graph waits at its gates for these writes
         return self.outputs
 
     def set_enabled(self, label: str, enabled: bool) -> bool:
@@ -408,6 +407,12 @@ class BreakableGraph:
                 raise
         self._executor, self._disabled = executor, disabled
         return True
+
+    @property
+    def prepares_after_launch(self) -> bool:
+        """Whether inline replays launch before running ``prepare`` (every staged breakpoint says
+        ``prepare_after_launch=True`` and the plan is segments only; see :mod:`bcg.staging`)."""
+        return self._launches_first
 
     def would_fall_back(self, live: Any) -> str | None:
         """Why a replay with ``live`` would run the breakable form (staged metadata that does not fit); else None."""

@@ -76,8 +76,9 @@ from typing import Any
 import torch
 
 from bcg import cudart
+from bcg.cudart import stream_readers
 from bcg.breakpoint import BreakpointSpec, Recorder, live
-from bcg.errors import CaptureError, add_note
+from bcg.errors import CaptureError, ReplayError, add_note
 
 log = logging.getLogger("bcg")
 
@@ -130,12 +131,13 @@ class StagingBuffer:
         self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
         self._host_buffer = self.host.numpy().reshape(-1)
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
-        # The gate of the copies captured behind one: a pinned int32 flag, 1 from release() until
+        # The gate of the copies captured behind one: a pinned int32 flag, 1 from _release() until
         # a queued gated copy has read the value (the GPU writes 0). Allocated here: pinning
         # memory during a capture is not allowed.
         self._gate: torch.Tensor | None = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else None
         self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
         self._gate_address = 0  # its device address (the captured wait and write)
+        self._gate_stream = 0  # the stream of the copy the open gate is for (raw handle)
 
     @property
     def device(self) -> torch.Tensor:
@@ -147,7 +149,7 @@ class StagingBuffer:
         into the pinned host copy."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
         if self._gate_flag is not None and self._gate_flag[0]:
-            self.wait_for_gate()  # a queued gated copy has not read the value released for it
+            self._wait_for_gate()  # a queued gated copy has not read the value released for it
         if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device
             # synchronize, so nothing is queued then, and waiting is not allowed.) Replays
@@ -156,6 +158,11 @@ class StagingBuffer:
             if not self._read.query():
                 self._read.synchronize()
         if isinstance(values, torch.Tensor):
+            if values.device.type != "cpu":
+                raise TypeError(
+                    f"StagingBuffer.write takes host values or a CPU tensor, not a {values.device} tensor: "
+                    "reading it waits on the GPU (a hang with prepare_after_launch=True)"
+                )
             values = values.reshape(-1).tolist()
         if len(values) != self._numel:
             raise ValueError(
@@ -171,15 +178,19 @@ class StagingBuffer:
         if written is not None and self not in written:
             written.append(self)
 
-    def upload(self, gated: bool = False) -> bool:
-        """Copy the host value to the device on the current stream (captured when capturing).
+    @property
+    def gate_open(self) -> bool:
+        """Whether a value is released to a gated copy that has not read it yet
+        (``prepare_after_launch``; always False for a buffer without one)."""
+        return bool(self._gate_flag is not None and self._gate_flag[0])
 
-        Arguments:
-            gated: when capturing, capture the copy behind the buffer's gate: the
-                graph waits until :meth:`release`, copies, and clears the gate.
+    def upload(self) -> None:
+        """Copy the host value to the device on the current stream (captured when capturing)."""
+        self._upload(gated=False)
 
-        Returns whether the copy was captured behind the gate.
-        """
+    def _upload(self, gated: bool) -> bool:
+        """:meth:`upload`; ``gated`` (when capturing): behind the buffer's gate, which the copy
+        waits for and then clears. Returns whether the copy was captured behind the gate."""
         if self._read is None:
             self._device_tensor.copy_(self.host)
             return False
@@ -191,7 +202,10 @@ class StagingBuffer:
         handle = stream.cuda_stream
         nbytes = self.host.numel() * self.host.element_size()
         if gated:
-            self._make_gate()
+            if self._gate_flag is None:
+                assert self._gate is not None
+                self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
+                self._gate_flag = self._gate.numpy()
             cudart.wait_value32(handle, self._gate_address, 1)
         cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
         if gated:
@@ -201,27 +215,32 @@ class StagingBuffer:
             self._read.record(stream)
         return gated
 
-    def _make_gate(self) -> None:
-        if self._gate_flag is None:
-            assert self._gate is not None
-            self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
-            self._gate_flag = self._gate.numpy()
-
-    def release(self) -> None:
-        """Open the gate: the next gated copy to run reads the value written now."""
+    def _release(self, stream: int) -> None:
+        """Open the gate for the next gated copy to run (queued on raw ``stream``)."""
+        self._gate_stream = stream
         self._gate_flag[0] = 1
 
-    def wait_for_gate(self) -> None:
-        """Wait until no released value is still to be read by a queued gated copy."""
+    def _wait_for_gate(self) -> None:
+        """Wait until the gated copy the open gate was released for has read the value.
+
+        Raises :class:`bcg.ReplayError` when the copy's stream is idle and the gate
+        still open (no queued copy will read it), and the stream's CUDA error if it has one.
+        """
         flag = self._gate_flag
         spins = 0
         while flag[0]:
             spins += 1
             if spins > 2000:  # a deep queue: let other threads run
                 time.sleep(2e-5)
+                if spins % 5000 == 0 and cudart.stream_idle(self._gate_stream) and flag[0]:
+                    raise ReplayError(
+                        "a StagingBuffer's gate is open but no queued copy will read it (its stream is "
+                        "idle): a replay of a gated graph failed in a way bcg could not settle. Capture "
+                        "the graph again (or reset the runner)"
+                    )
 
-    def close_gate(self) -> None:
-        """Clear a gate no queued copy will read (after a failed replay, with the stream drained)."""
+    def _close_gate(self) -> None:
+        """Clear a gate no queued copy will read (after a failure, with the stream drained)."""
         if self._gate_flag is not None:
             self._gate_flag[0] = 0
 
@@ -262,11 +281,14 @@ class Stager:
         self._values: list[Any] = []  # what each prepare returned when recorded
         self.names: list[str] = []  # the staged breakpoints recorded inline, each name once
         self.misfits: list[str] = []  # those recorded as breakpoints: their metadata did not fit
-        self._buffers: dict[int, str] = {}  # id of each buffer uploaded -> the breakpoint whose prepare wrote it
+        self._after_launch: list[bool] = []  # each prepare's prepare_after_launch
+        self._buffers: dict[StagingBuffer, str] = {}  # each buffer uploaded -> the breakpoint whose prepare wrote it
         self._gated: list[StagingBuffer] = []  # the buffers whose copies were captured behind their gate
         self._capture_values: list[torch.Tensor] = []  # their host values at capture (bounds that fit)
         self._armed: list[StagingBuffer] = []  # gated copies of the capture's open segment, not yet run
         self._prepare_first = False  # a prepare recorded without gated copies: it runs before the launch
+        self._device = 0  # the gated buffers' device
+        self._current_stream = stream_readers()[1]  # its current raw stream, cheaply
 
     def _index(self, spec: BreakpointSpec) -> int | None:
         return next((i for i, p in enumerate(self._prepares) if p == spec.prepare), None)
@@ -295,19 +317,26 @@ class Stager:
         it and each buffer it writes is copied behind its gate (on a host whose stores are ordered)."""
         return bool(self._gated) and not self._prepare_first and _ORDERED_STORES
 
-    def prepare(self, live: Any) -> None:
-        """Run every ``prepare`` once (host writes; a graph copies them in), then open the gates."""
+    def _run_prepares(self, live: Any) -> None:
         for prepare in self._prepares:
             prepare(live)
-        for buf in self._gated:
-            buf.release()
+
+    def prepare(self, live: Any) -> None:
+        """Run every ``prepare`` once (host writes; a graph copies them in), then open the gates."""
+        self.wait_for_gates()  # (a buffer prepare does not write this time is opened all the same)
+        self._run_prepares(live)
+        self._open_gates()
+
+    def _open_gates(self) -> None:
+        if self._gated:
+            stream = self._current_stream(self._device)
+            for buf in self._gated:
+                buf._release(stream)
 
     def wait_for_gates(self) -> None:
-        """Before a launch that runs ahead of :meth:`prepare_launched`: wait until the replays
-        queued before have read the values they were released for."""
+        """Wait until the replays queued before have read the values their gates were opened for."""
         for buf in self._gated:
-            if buf._gate_flag[0]:
-                buf.wait_for_gate()
+            buf._wait_for_gate()
 
     def prepare_launched(self, live: Any) -> None:
         """:meth:`prepare` for a replay already launched, which waits at its gates.
@@ -317,42 +346,53 @@ class Stager:
         exception says so.
         """
         try:
-            self.prepare(live)
+            self._run_prepares(live)
         except BaseException as exc:
-            for buf, value in zip(self._gated, self._capture_values):
-                buf.host.copy_(value)
-                buf.release()
+            self._restore_capture_values()
+            self._open_gates()
             add_note(exc, "bcg: raised by a staged prepare (prepare_after_launch=True) after its graph was launched: "
                      "the replay ran with the metadata staged at capture, so its outputs (and anything else the "
                      "graph writes) are not this call's. The graph stays replayable")
             raise
+        self._open_gates()
+
+    def _restore_capture_values(self, closed_only: bool = False) -> None:
+        for buf, value in zip(self._gated, self._capture_values):
+            if not (closed_only and buf.gate_open):
+                buf.host.copy_(value)
 
     def settle(self) -> None:
-        """After a replay that raised: no gate stays open with no queued copy to read it (which
-        would hand a stale value to the next replay). Waits for the current stream."""
+        """After a replay that raised: leave every gate closed, with no copy waiting at one.
+
+        Gates still closed are opened on the values staged at capture (a copy
+        launched before the failure reads metadata within its bounds), the
+        current stream is drained, and every gate closed.
+        """
         if not self._gated:
             return
-        for buf in self._gated:  # copies queued before the failure run to their end
-            buf.release()
+        self._restore_capture_values(closed_only=True)
+        stream = self._current_stream(self._device)
+        for buf in self._gated:
+            if not buf.gate_open:
+                buf._release(stream)
         try:
-            torch.cuda.current_stream(self._gated[0].device.device).synchronize()
+            torch.cuda.current_stream(self._device).synchronize()
         finally:
             for buf in self._gated:
-                buf.close_gate()
+                buf._close_gate()
 
-    def segment_ran(self, ran: bool) -> None:
-        """A capture closed its open segment: launched it (``ran``: its gates open for that run,
-        on the values ``prepare`` wrote at capture), or did not (they stay closed)."""
+    def segment_ran(self, ran: bool, stream: int) -> None:
+        """A capture closed its open segment: launched it on raw ``stream`` (``ran``: its gates
+        open for that run, on the values ``prepare`` wrote at capture), or did not (they stay closed)."""
         if ran:
             for buf in self._armed:
-                buf.release()
+                buf._release(stream)
         self._armed.clear()
 
     def prepare_and_upload(self, live: Any) -> None:
         """Run every ``prepare``, then copy what it wrote to the device now (eager runs)."""
         with collecting() as written:
-            for prepare in self._prepares:
-                prepare(live)
+            self._run_prepares(live)
         for buf in written:
             buf.upload()
 
@@ -397,19 +437,26 @@ class Stager:
         if i is None:
             if written is None:
                 staged, written = recorder.run_breakpoint(stage, (spec, value), {})
-            self._upload(spec, written)
+            self._upload_written(spec, written)
             self._prepares.append(spec.prepare)
             self._values.append(staged)
+            self._after_launch.append(spec.prepare_after_launch)
+        elif self._after_launch[i] != spec.prepare_after_launch:
+            raise CaptureError(
+                f"staged breakpoint {spec.name!r} shares its prepare function with one recorded before, "
+                f"but says prepare_after_launch={spec.prepare_after_launch} where that one said "
+                f"{self._after_launch[i]}: the prepare runs once per replay, so give every breakpoint "
+                "sharing it the same prepare_after_launch"
+            )
         if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v, _ in self._fits):
             self._fits.append((spec, staged, f"{spec.name} does not fit"))
         return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
 
-
-    def _upload(self, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
+    def _upload_written(self, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
         """Upload the buffers ``spec``'s ``prepare`` wrote: captured, when capturing (behind their
         gates with ``prepare_after_launch``), so the graph copies the host values in."""
         for buf in written:
-            other = self._buffers.get(id(buf))
+            other = self._buffers.get(buf)
             if other is not None:
                 raise CaptureError(
                     f"staged breakpoints {other!r} and {spec.name!r} have different prepare functions that "
@@ -417,10 +464,11 @@ class Stager:
                     "of the first would read the second's value. Share one prepare function (the same "
                     "object), or give each its own buffer"
                 )
-            self._buffers[id(buf)] = spec.name
-        gated = [buf.upload(gated=spec.prepare_after_launch) for buf in written]
+            self._buffers[buf] = spec.name
+        gated = [buf._upload(gated=spec.prepare_after_launch) for buf in written]
         for buf, behind_gate in zip(written, gated):
             if behind_gate:
+                self._device = buf.device.device.index
                 self._gated.append(buf)
                 self._capture_values.append(buf.host.clone())
                 self._armed.append(buf)

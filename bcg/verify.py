@@ -184,7 +184,7 @@ def verify(
             dst.copy_(src)
         eager_taps, eager_out = _tapped_eager(source, live, plan)
         found = _compare(plan, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
-        if found is None and _keyed(plan):
+        if found is None and (_keyed(plan) or graph.prepares_after_launch):
             found = _whole_replay(graph, live, i, static, saved, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
@@ -211,11 +211,11 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
     else:
         graph.prepare_staged(live)
     plan = ran.plan
-    if ran.variants is not None:
-        ran.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
     taps: list[_Tap] = []
     with live_scope(live):
         try:
+            if ran.variants is not None:
+                ran.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
             for step in plan:
                 if isinstance(step, BreakpointStep):
                     tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
@@ -240,8 +240,9 @@ def _keyed(plan: tuple[Step, ...]) -> bool:
 
 def _whole_replay(graph: BreakableGraph, live: Any, sample: int, static: Any, saved: list[torch.Tensor],
                   eager_out: list[torch.Tensor], rtol: float, atol: float) -> Mismatch | None:
-    """Keyed breakpoints: replay the whole graph again, as a user would (now every key of this
-    sample has a variant: one stitched launch where the graph stitches), and compare its outputs."""
+    """Replay the whole graph again, as a user would, and compare its outputs: keyed breakpoints
+    (now every key of this sample has a variant: one stitched launch where the graph stitches), or
+    staged ones whose ``prepare`` runs after the launch (a step-by-step replay prepares first)."""
     for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
         dst.copy_(src)
     graph.replay(live)

@@ -174,6 +174,31 @@ def test_prepare_after_launch_needs_a_staged_breakpoint_and_changes_no_eager_sem
     assert staging.prepared == [(3,)] and staging.buffer.device.tolist() == [0, 3, 3, 3]
 
 
+def test_breakpoints_sharing_a_prepare_must_agree_on_prepare_after_launch() -> None:
+    staging = _Staging()
+    early = bcg.breakpoint(name="early", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
+                           prepare_after_launch=True)(lambda x, out: out.copy_(x))
+    late = bcg.breakpoint(name="late", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(
+        lambda x, out: out.copy_(x))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        early(x, out)
+        late(x, out)
+        return out
+
+    with pytest.raises(bcg.CaptureError, match="'late' shares its prepare function"):
+        bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
+
+
+def test_staging_buffer_takes_host_values_only() -> None:
+    buf = bcg.StagingBuffer(4, dtype=torch.int32, device="cpu")
+    with pytest.raises(TypeError, match="CPU tensor"):
+        buf.write(torch.zeros(4, dtype=torch.int32, device="meta"))
+    buf.write(torch.tensor([1, 2, 3, 4]))
+    assert buf.host.tolist() == [1, 2, 3, 4] and not buf.gate_open
+
+
 def test_two_prepares_writing_one_buffer_are_refused_at_recording() -> None:
     staging = _Staging()
     other = _Staging()

@@ -23,13 +23,14 @@ if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machine
 
 
 class GatedStaging(Staging):
-    """Staging whose ``prepare`` can look at the stream, sleep, or raise after the launch."""
+    """Staging whose ``prepare`` can look at the stream, sleep, raise, or skip its write."""
 
     def __init__(self, forget_last: bool = False) -> None:
         super().__init__(forget_last)
         self.sleep_s = 0.0
         self.stream_idle: list[bool] = []  # per prepare: was the current stream idle (nothing queued)?
         self.raise_next = False
+        self.skip_write = False  # keep the buffer's value (the previous replay's)
 
     def prepare(self, meta: Meta) -> Meta:
         if self.sleep_s:
@@ -38,7 +39,15 @@ class GatedStaging(Staging):
         if self.raise_next:
             self.raise_next = False
             raise RuntimeError("prepare failed")
+        if self.skip_write:
+            return Meta(meta.lengths, self.buffer.device, bound=sum(meta.lengths))
         return super().prepare(meta)
+
+
+def _settled(staging: Staging) -> bool:
+    """Whether, the GPU drained, no gate is left open (a leak would hand its value to a later replay)."""
+    torch.cuda.synchronize()
+    return not staging.buffer.gate_open
 
 
 def _gated_attention(staging: Staging):  # noqa: ANN202
@@ -52,10 +61,11 @@ def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -
     buckets = [64, 256]
     runner = _runner(block, buckets)
     assert runner.graph(256).stats().staged == ("attn",)
+    assert runner.graph(64).prepares_after_launch and runner.graph(256).prepares_after_launch
     rng = random.Random(3)
     inline = fallback = 0
     for i in range(100):
-        T = rng.randint(SLOTS + 1, 256)
+        T = 256 if i % 10 == 0 else rng.randint(SLOTS + 1, 256)  # T = bucket: the trimmed executable
         requests = rng.randint(1, SLOTS + 1)  # SLOTS + 1 does not fit: the breakable form runs
         meta = Meta(_lengths(rng, T, requests))
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
@@ -72,6 +82,7 @@ def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -
     stats = runner.stats()
     assert stats["inline_replays"] == inline and inline > 0
     assert stats["staged_fallbacks"] == {"attn does not fit": fallback} and fallback > 0
+    assert _settled(staging)
     runner.reset()
 
 
@@ -104,7 +115,7 @@ def test_a_prepare_that_raises_after_the_launch_says_so_and_the_next_call_is_rig
     with pytest.raises(RuntimeError, match="prepare failed") as info:
         runner(x, live=Meta(_lengths(rng, 128, 2)))
     assert any("metadata staged at capture" in note for note in getattr(info.value, "__notes__", []))
-    torch.cuda.synchronize()  # the launched replay ran to its end (with the capture's metadata)
+    assert _settled(staging)  # the launched replay ran to its end (with the capture's metadata)
     for _ in range(5):
         meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
         x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
@@ -113,7 +124,7 @@ def test_a_prepare_that_raises_after_the_launch_says_so_and_the_next_call_is_rig
 
 
 def test_staged_tiers_share_the_buffer_and_its_gate() -> None:
-    class GatedTiers(TieredStaging):
+    class GatedTiers(TieredStaging, GatedStaging):  # the tiers' prepare, which can raise
         pass
 
     staging = GatedTiers()
@@ -126,16 +137,26 @@ def test_staged_tiers_share_the_buffer_and_its_gate() -> None:
                                _capture_meta(n))
 
     runner = _runner(block, [96, 192], capture_live=tiers)
+    forms = [g for n in (96, 192) for g in (*runner.tiers(n), runner.graph(n))]
+    assert len(forms) == 6 and all(g.prepares_after_launch for g in forms)
     rng = random.Random(13)
     calls = []
-    for _ in range(60):  # tiers of 1 and 2 slots, the bucket's 4, and the breakable form, interleaved
+    for i in range(60):  # tiers of 1 and 2 slots, the bucket's 4, and the breakable form, interleaved
         T = rng.randint(SLOTS + 1, 192)
         meta = Meta(_lengths(rng, T, rng.randint(1, SLOTS + 1)))
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        if i == 30:  # the 2-slot tier's prepare raises: its replay runs its own capture values
+            staging.raise_next = True
+            meta = Meta(_lengths(rng, T, 2))
+            with pytest.raises(RuntimeError, match="prepare failed"):
+                runner(x, live=meta)
+            continue
         calls.append((x, meta, runner(x, live=meta).clone()))
     torch.cuda.synchronize()
     for i, (x, meta, y) in enumerate(calls):
         assert torch.equal(y, _eager(block, x, meta)), f"call {i}: lengths={meta.lengths}"
+    assert runner.stats()["tier_replays"] > 0 and runner.stats()["staged_fallbacks"]
+    assert _settled(staging)
     runner.reset()
 
 
@@ -163,12 +184,78 @@ def test_a_breakpoint_that_raises_before_the_gated_segment_leaves_no_gate_open()
     with pytest.raises(ValueError, match="host step failed"):
         graph.replay(Meta(_lengths(rng, 128, 2)))  # prepared, gate opened; the gated segment never launched
     fail[0] = False
+    assert not graph.prepares_after_launch and _settled(staging)
     for _ in range(5):
         meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
         x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
         out = graph.replay(meta)
         with bcg.live_scope(meta), torch.no_grad():
             assert torch.equal(out, forward(x)), meta.lengths
+    graph.reset()
+
+
+def _graph_with_a_breakpoint_step(staging: GatedStaging, guards: bool = False):  # noqa: ANN202
+    """A gated staged attention after a plain breakpoint: ``prepare`` runs before the launch."""
+    block = Block(_gated_attention(staging))
+
+    @bcg.breakpoint(name="host_step", mutates=())
+    def host_step(x: torch.Tensor) -> None:
+        pass
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        host_step(x)
+        return block(x)
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    graph = bcg.make_graph(forward, x, live=Meta(_lengths(random.Random(31), 128, SLOTS)), guards=guards)
+    return graph, forward, x
+
+
+def test_a_guard_failure_before_a_prepare_first_launch_leaves_no_gate_open() -> None:
+    staging = GatedStaging()
+    graph, forward, x = _graph_with_a_breakpoint_step(staging, guards=True)
+    rng = random.Random(37)
+    alias = x.detach()  # the captured storage
+    x.set_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
+    with pytest.raises(bcg.GuardError):
+        graph.replay(Meta(_lengths(rng, 128, 2)))
+    assert _settled(staging)
+    x.set_(alias)
+    for _ in range(3):
+        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
+        out = graph.replay(meta)
+        with bcg.live_scope(meta), torch.no_grad():
+            assert torch.equal(out, forward(x)), meta.lengths
+    graph.reset()
+
+
+@pytest.mark.parametrize("breakpoint_step", [False, True], ids=["launch-first", "prepare-first"])
+def test_a_prepare_that_skips_its_write_replays_the_previous_metadata(breakpoint_step: bool) -> None:
+    staging = GatedStaging()
+    if breakpoint_step:
+        graph, forward, x = _graph_with_a_breakpoint_step(staging)
+    else:
+        block = Block(_gated_attention(staging))
+        forward = block
+        x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+        graph = bcg.make_graph(block, x, live=Meta(_lengths(random.Random(31), 128, SLOTS)))
+    assert graph.prepares_after_launch is not breakpoint_step
+    rng = random.Random(41)
+    calls = []
+    torch.cuda._sleep(50_000_000)  # the replays queue up behind the GPU
+    for i in range(12):
+        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+        staging.skip_write = i % 3 == 2
+        if not staging.skip_write:
+            written = meta  # what the buffer holds from now on
+        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
+        out = graph.replay(meta)
+        calls.append((x.clone(), written, out.clone()))  # queued after the replay
+    assert _settled(staging)
+    for i, (x_i, written, y) in enumerate(calls):
+        with bcg.live_scope(written), torch.no_grad():
+            assert torch.equal(y, forward(x_i)), (i, written.lengths)
     graph.reset()
 
 
@@ -182,7 +269,7 @@ def test_a_capture_leaves_the_gate_closed_whether_it_runs_the_segment_or_not(com
     meta0 = Meta(_lengths(rng, 64, 3))
     with torch.no_grad(), bcg.capture(graph, live=meta0, compute_outputs=compute_outputs):
         out = block(x)
-    torch.cuda.synchronize()  # a segment run at capture has read its gate's value
+    assert _settled(staging)  # a segment run at capture has read its gate's value
     if compute_outputs:
         assert torch.equal(out, _eager(block, x, meta0))
     for _ in range(5):
@@ -190,6 +277,7 @@ def test_a_capture_leaves_the_gate_closed_whether_it_runs_the_segment_or_not(com
         x.copy_(torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE))
         graph.replay(meta)  # a gate left open would hand this replay the previous value
         assert torch.equal(out, _eager(block, x, meta)), meta.lengths
+    assert _settled(staging)
     graph.reset()
 
 
