@@ -174,21 +174,26 @@ def test_prepare_after_launch_needs_a_staged_breakpoint_and_changes_no_eager_sem
     assert staging.prepared == [(3,)] and staging.buffer.device.tolist() == [0, 3, 3, 3]
 
 
-def test_breakpoints_sharing_a_prepare_must_agree_on_prepare_after_launch() -> None:
-    staging = _Staging()
-    early = bcg.breakpoint(name="early", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
-                           prepare_after_launch=True)(lambda x, out: out.copy_(x))
-    late = bcg.breakpoint(name="late", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(
-        lambda x, out: out.copy_(x))
+def _record_copies(first: tuple[str, _Staging, bool], second: tuple[str, _Staging, bool]) -> None:
+    """Record (eager mode) a function calling two staged copy breakpoints, each ``(name, staging,
+    prepare_after_launch)``, in that order."""
+    copies = [bcg.breakpoint(name=name, mutates=("out",), prepare=staging.prepare, fits=staging.fits,
+                             prepare_after_launch=after)(lambda x, out: out.copy_(x))
+              for name, staging, after in (first, second)]
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        early(x, out)
-        late(x, out)
+        for copy in copies:
+            copy(x, out)
         return out
 
+    bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
+
+
+def test_breakpoints_sharing_a_prepare_must_agree_on_prepare_after_launch() -> None:
+    staging = _Staging()
     with pytest.raises(bcg.CaptureError, match="'late' shares its prepare function"):
-        bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
+        _record_copies(("early", staging, True), ("late", staging, False))
 
 
 def test_staging_buffer_takes_host_values_only() -> None:
@@ -203,19 +208,8 @@ def test_two_prepares_writing_one_buffer_are_refused_at_recording() -> None:
     staging = _Staging()
     other = _Staging()
     other.buffer = staging.buffer  # a second prepare function over the same buffer
-    first = bcg.breakpoint(name="first", mutates=("out",), prepare=staging.prepare, fits=staging.fits)(
-        lambda x, out: out.copy_(x))
-    second = bcg.breakpoint(name="second", mutates=("out",), prepare=other.prepare, fits=other.fits)(
-        lambda x, out: out.copy_(x))
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        first(x, out)
-        second(x, out)
-        return out
-
     with pytest.raises(bcg.CaptureError, match="'first' and 'second' have different prepare functions"):
-        bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
+        _record_copies(("first", staging, False), ("second", other, False))
 
 
 def test_staging_buffer_takes_exactly_its_size() -> None:
