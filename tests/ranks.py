@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -24,7 +25,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, body: Callable[[int], Any], out_dir: str, backend: str) -> None:
+def _worker(rank: int, port: int, body: Callable[[int], Any], out_dir: str, backend: str, timeout_s: float) -> None:
+    # A rank still running shortly before the parent kills it prints every thread's stack: where it waits.
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -47,7 +50,7 @@ def run_world(body: Callable[[int], Any], backend: str = "gloo", timeout_s: floa
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, body, out_dir, backend)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_worker, args=(r, port, body, out_dir, backend, timeout_s)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s

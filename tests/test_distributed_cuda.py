@@ -183,7 +183,7 @@ def _everything(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world() -> list[dict[str, Any]]:
-    return run_world(_everything, backend="nccl", timeout_s=420)
+    return run_world(_everything, backend="nccl", timeout_s=300)
 
 
 @pytest.mark.parametrize("attn", ["flash", "unfused"])
