@@ -7,7 +7,10 @@ are recorded in the graphs and replay in stream order. What bcg must add is
 or some rank waits forever.
 
 * :class:`RankAgreement` exchanges small integers between the ranks through a
-  CPU (gloo) group, always outside any capture.
+  CPU (gloo) group, always outside any capture. With ``same_inputs=True`` (every
+  rank is handed the same batch, as in tensor parallelism) a runner makes its
+  per-call choices locally, and :meth:`RankAgreement.expect_same` checks them in
+  the background: no exchange stands between a call and its launch.
 * :class:`CaptureVote` keeps the ranks together while they capture one bucket:
   a vote at the end of each segment, before its first launch (segments may hold
   collectives, and the eager breakpoint after it rank-coupled work such as an
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bcg.errors import CaptureError
+from bcg.errors import CaptureError, ReplayError
 
 log = logging.getLogger("bcg")
 
@@ -45,13 +48,26 @@ class RankAgreement:
             the default group when its backend is gloo, else a new gloo group
             over all ranks (``torch.distributed.new_group(backend="gloo")``,
             a collective: construct the agreement on every rank, in the same order).
+        same_inputs: every rank makes the same calls with the same ``T`` and the
+            same live metadata (tensor parallelism, where each rank gets the
+            batch). A :class:`bcg.GraphRunner` then picks the bucket and the form
+            of replay locally, with no exchange before the launch, and checks
+            after the launch that the ranks chose alike (:meth:`expect_same`).
+            Default ``False``: the ranks agree before every launch (one or two
+            all-reduces on the CPU group per call, some 0.1 to 1 ms).
 
     .. warning::
         Every method is a collective: all ranks of the group must call it, in
         the same order, outside any CUDA graph capture.
+
+    .. warning::
+        With ``same_inputs=True``, ranks handed different batches are caught one
+        call late: the call whose choices differed has already launched, and its
+        collectives may have mismatched (wrong values, or a stream that waits
+        for ever). Use it only where every rank is given the same batch.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, same_inputs: bool = False) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -65,6 +81,9 @@ class RankAgreement:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.same_inputs = bool(same_inputs)
+        self._checks = 0  # expect_same calls so far
+        self._pending: tuple[Any, torch.Tensor, dict[str, int], int] | None = None
 
     def max(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over the ranks (one all-reduce)."""
@@ -80,6 +99,47 @@ class RankAgreement:
         """True when every rank passed the same integer."""
         lo, hi = self.max([-value, value])
         return -lo == hi
+
+    def expect_same(self, choice: dict[str, int]) -> None:
+        """Check in the background that every rank made ``choice`` (name -> integer).
+
+        Waits for the previous check (:meth:`wait_checks`), then starts this one: an
+        asynchronous all-reduce, waited for at the next call. The runner calls it
+        after each launch with ``same_inputs=True``.
+
+        Raises:
+            ReplayError: the previous check found ranks whose choices differed.
+        """
+        self.wait_checks()
+        values = list(choice.values())
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, t, dict(choice), self._checks)
+        self._checks += 1
+
+    def wait_checks(self) -> None:
+        """Wait for the check :meth:`expect_same` started last, if any (a collective wait).
+
+        Raises:
+            ReplayError: the ranks' choices differed at that call.
+        """
+        if self._pending is None:
+            return
+        work, t, choice, index = self._pending
+        self._pending = None
+        work.wait()
+        k = len(choice)
+        highest = t[:k].tolist()
+        lowest = [-v for v in t[k:].tolist()]
+        differ = [f"{name} from {lo} to {hi}" for name, lo, hi in zip(choice, lowest, highest) if lo != hi]
+        if differ:
+            raise ReplayError(
+                f"the ranks' calls differed at call {index} of this agreement ({', '.join(differ)}; this rank: "
+                f"{choice}). RankAgreement(same_inputs=True) needs every rank to make the same calls with the "
+                "same T and live metadata; that call's collectives may have mismatched (wrong values, or a "
+                "stream waiting for ever). Give every rank the same batch, or use "
+                "RankAgreement(same_inputs=False) to agree before every launch"
+            )
 
 
 class CaptureVote:

@@ -323,15 +323,17 @@ class Stager:
 
     def prepare(self, live: Any) -> None:
         """Run every ``prepare`` once (host writes; a graph copies them in), then open the gates."""
+        if not self._gated:
+            self._run_prepares(live)
+            return
         self.wait_for_gates()  # (a buffer prepare does not write this time is opened all the same)
         self._run_prepares(live)
         self._open_gates()
 
     def _open_gates(self) -> None:
-        if self._gated:
-            stream = self._current_stream(self._device)
-            for buf in self._gated:
-                buf._release(stream)
+        stream = self._current_stream(self._device)
+        for buf in self._gated:
+            buf._release(stream)
 
     def wait_for_gates(self) -> None:
         """Wait until the replays queued before have read the values their gates were opened for."""
@@ -348,18 +350,20 @@ class Stager:
         try:
             self._run_prepares(live)
         except BaseException as exc:
-            self._restore_capture_values()
-            self._open_gates()
+            self._open_on_capture_values()
             add_note(exc, "bcg: raised by a staged prepare (prepare_after_launch=True) after its graph was launched: "
                      "the replay ran with the metadata staged at capture, so its outputs (and anything else the "
                      "graph writes) are not this call's. The graph stays replayable")
             raise
         self._open_gates()
 
-    def _restore_capture_values(self, closed_only: bool = False) -> None:
+    def _open_on_capture_values(self) -> None:
+        """Open every closed gate on the value its buffer held at capture (within the kernels' bounds)."""
+        stream = self._current_stream(self._device)
         for buf, value in zip(self._gated, self._capture_values):
-            if not (closed_only and buf.gate_open):
+            if not buf.gate_open:
                 buf.host.copy_(value)
+                buf._release(stream)
 
     def settle(self) -> None:
         """After a replay that raised: leave every gate closed, with no copy waiting at one.
@@ -370,11 +374,7 @@ class Stager:
         """
         if not self._gated:
             return
-        self._restore_capture_values(closed_only=True)
-        stream = self._current_stream(self._device)
-        for buf in self._gated:
-            if not buf.gate_open:
-                buf._release(stream)
+        self._open_on_capture_values()
         try:
             torch.cuda.current_stream(self._device).synchronize()
         finally:

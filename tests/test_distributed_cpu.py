@@ -77,6 +77,38 @@ def _runner(rank: int, fail_bucket: int | None) -> Any:
     return failed, outs, st["replays"], st["fallbacks"]
 
 
+def _same_inputs(rank: int, diverge: bool) -> Any:
+    """A runner whose ranks promise the same inputs: no exchange before a call's run, a check after.
+    With ``diverge``, rank 1's second call has other rows (another bucket)."""
+    ranks = RankAgreement(same_inputs=True)
+    net = _Net(rank, None)
+    runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
+                             capture_live=2.0, progress=False, ranks=ranks)
+    runner.capture()
+
+    def no_exchange(values: Any) -> Any:
+        raise AssertionError("a call exchanged before running, with same_inputs=True")
+
+    ranks.max = no_exchange  # type: ignore[method-assign]  # (the captures' votes are over)
+    outs, errors = [], []
+    for T in [10, 20 if rank == 0 or not diverge else 12, 40, 5]:  # 40: too large, eager on both ranks
+        x = torch.randn(T, 4)
+        try:
+            got = runner(x, live=3.0)
+        except bcg.ReplayError as exc:
+            errors.append(str(exc))
+            continue
+        with bcg.live_scope(3.0):
+            want = net.scale(x @ net.w) + 1
+        outs.append(bool(torch.equal(got, want)))
+    try:
+        ranks.wait_checks()
+    except bcg.ReplayError as exc:
+        errors.append(str(exc))
+    st = runner.stats()
+    return outs, errors, st["replays"], st["fallbacks"]["too_large"]
+
+
 # -- tests ------------------------------------------------------------------------------------------
 
 
@@ -123,6 +155,24 @@ def test_runner_ranks_without_failures() -> None:
     for failed, outs, replays, _ in results:
         assert failed == [] and outs == [True, True]
         assert replays == {16: 1, 32: 1}  # both ranks ran bucket 32 for the first call
+
+
+def test_same_inputs_ranks_choose_locally_and_check_after_the_call() -> None:
+    import functools
+
+    for rank, (outs, errors, replays, too_large) in enumerate(run_world(functools.partial(_same_inputs, diverge=False))):
+        assert outs == [True] * 4 and errors == [], (rank, errors)
+        assert replays == {16: 2, 32: 1} and too_large == 1, (rank, replays)
+
+
+def test_same_inputs_ranks_that_diverge_raise_at_the_next_call() -> None:
+    import functools
+
+    for rank, (outs, errors, replays, _) in enumerate(run_world(functools.partial(_same_inputs, diverge=True))):
+        # call 2 differed (rank 0: 20 rows, bucket 32; rank 1: 12 rows, bucket 16): call 3 raises on both
+        assert len(errors) == 1 and outs == [True, True, True], (rank, errors, outs)
+        assert "differed at call 1" in errors[0] and "call T from 12 to 20" in errors[0], errors[0]
+        assert "bucket from 16 to 32" in errors[0] and "same_inputs=False" in errors[0]
 
 
 def test_bench_tp2_relaunches_through_torchrun_and_writes_a_file_per_rank(tmp_path: Any) -> None:

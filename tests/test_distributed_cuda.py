@@ -69,6 +69,53 @@ def _tp_runner_matches_eager(rank: int, attn: str) -> Any:
     return same, st["failed_buckets"], st["replays"]
 
 
+def _tp_staged_same_inputs(rank: int) -> Any:
+    """Staged TP attention (slot tiers of 2 and 4, 8 slots, prepare after the launch) through a
+    runner whose ranks promise the same inputs: against eager TP, with no exchange before a launch."""
+    llama, model, device = _tp_model(rank)
+    staged = model.staged_attention(8)
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.forward(x, pos, staged.breakpoints["flash"])
+
+    def lengths_for(n: int, k: int) -> list[int]:
+        return llama.request_lengths(n, min(k, n), 0)
+
+    x0 = torch.zeros(128, model.hidden, device=device, dtype=model.dtype)
+    pos0 = torch.zeros(128, dtype=torch.long, device=device)
+    ranks = bcg.RankAgreement(same_inputs=True)
+    runner = bcg.GraphRunner(forward, buckets=[64, 128], example_inputs=(x0, pos0), progress=False, ranks=ranks,
+                             capture_live=lambda n: staged.capture_lives(n, lengths_for, [2, 4]),
+                             capture_error_mode="thread_local").capture()
+    tiers = [len(runner.tiers(n)) for n in runner.buckets]
+    reference = bcg.GraphRunner(  # eager TP with exact bounds, on the padded inputs
+        lambda x, pos: model.forward(x, pos, llama.attention_flash), mode="eager", buckets=[64, 128],
+        example_inputs=(x0, pos0), progress=False,
+        capture_live=lambda n: llama.Batch.build(tuple(lengths_for(n, 4)), device)).capture()
+
+    def no_exchange(values: Any) -> Any:
+        raise AssertionError("a call exchanged before its launch, with same_inputs=True")
+
+    ranks.max = no_exchange  # type: ignore[method-assign]
+    rng = random.Random(3)  # the same batches on both ranks
+    same = []
+    for i in range(24):
+        T = rng.randint(12, 128)
+        r = rng.randint(1, 4) if i % 3 else rng.randint(5, 12)  # up to 8 slots inline; more: breakable
+        cuts = sorted(rng.sample(range(1, T), r - 1))
+        lengths = tuple(b - a for a, b in zip([0, *cuts], [*cuts, T]))
+        gen = torch.Generator(device=device).manual_seed(rng.randrange(2**31))
+        x = torch.randn(T, model.hidden, generator=gen, device=device, dtype=model.dtype)
+        pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+        got = runner(x, pos, live=llama.Batch(lengths)).clone()
+        want = reference(x, pos, live=llama.Batch.build(lengths, device))
+        same.append(bool(torch.equal(got, want)))
+    ranks.wait_checks()
+    st = runner.stats()
+    runner.reset()
+    return same, tiers, st["inline_replays"], st["staged_fallbacks"], st["tier_replays"]
+
+
 def _all_to_all(rank: int) -> Any:
     """A breakpoint running all_to_all_single with split sizes from bcg.live(); an all-reduce in a segment."""
     import torch.distributed as dist
@@ -175,6 +222,7 @@ def _everything(rank: int) -> dict[str, Any]:
     return {
         "tp_flash": _tp_runner_matches_eager(rank, "flash"),
         "tp_unfused": _tp_runner_matches_eager(rank, "unfused"),
+        "tp_staged": _tp_staged_same_inputs(rank),
         "all_to_all": _all_to_all(rank),
         "failure": _failure_on_one_rank(rank),
         "many": _many_replays(rank),
@@ -192,6 +240,18 @@ def test_tp_llama_through_a_runner_is_bit_identical_to_eager_tp(world: list[dict
         same, failed, replays = result[f"tp_{attn}"]
         assert same == [True] * 20, (rank, same)
         assert failed == {} and sum(replays.values()) == 20
+
+
+def test_staged_tp_with_same_inputs_is_bit_identical_and_never_exchanges_before_a_launch(
+    world: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(world):
+        same, tiers, inline, fallbacks, tier_replays = result["tp_staged"]
+        assert same == [True] * 24, (rank, same)
+        assert tiers == [2, 2], (rank, tiers)  # both ranks kept both tiers of both buckets
+        # random.Random(3) draws 16 batches of <= 4 requests (a tier), 1 of 7 (the bucket's 8 slots)
+        # and 7 of 9 to 12 (the breakable form)
+        assert (inline, tier_replays, sum(fallbacks.values())) == (17, 16, 7), (rank, inline, tier_replays, fallbacks)
 
 
 def test_an_all_to_all_breakpoint_with_random_splits(world: list[dict[str, Any]]) -> None:

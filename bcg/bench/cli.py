@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel over N ranks (llama; Megatron-style shards, NCCL all-reduces on GPUs, "
                    "gloo on the CPU): relaunches itself through torch.distributed.run (torchrun) unless already "
                    "under it; each rank writes bench.rank<r>.json/png (default 1)")
+    p.add_argument("--rank-agreement", choices=("same-inputs", "every-call"), default="same-inputs",
+                   help="--tp: how runner modes' ranks agree: 'same-inputs' (every rank gets the same batch, "
+                   "as here: choices made locally, checked after the launch) or 'every-call' (all-reduces "
+                   "on the CPU group before every launch) (default same-inputs)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
@@ -425,9 +429,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
     sync = sync_fn(device)
     ctx = BuildContext(capture_warmup=args.capture_warmup, max_stitched=args.max_stitched)
     if rank is not None:
-        # every rank agrees on buckets, capture failures and replay forms; NCCL captures in
-        # thread_local mode (the process group's watchdog thread queries events meanwhile)
-        ctx.ranks = bcg.RankAgreement()
+        # every rank agrees on buckets, capture failures and replay forms (every rank is given the
+        # same batch: with same-inputs, each chooses locally and the choices are checked after the
+        # launch); NCCL captures in thread_local mode (the process group's watchdog thread queries
+        # events meanwhile)
+        ctx.ranks = bcg.RankAgreement(same_inputs=args.rank_agreement == "same-inputs")
         ctx.capture_error_mode = "thread_local"
     suffix = f".rank{rank}" if rank is not None else ""
 

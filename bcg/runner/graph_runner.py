@@ -37,6 +37,13 @@ log = logging.getLogger("bcg")
 #: The reasons a call runs ``forward`` eagerly instead of replaying a graph.
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
 
+
+def _keyed(graph: BreakableGraph) -> bool:
+    """Whether the graph or its breakable form has keyed breakpoints (variants: per-rank state)."""
+    fallback = graph.fallback
+    return graph.variants is not None or (fallback is not None and fallback.variants is not None)
+
+
 _MODES = ("graph", "eager")
 
 _current_device = stream_readers()[0]
@@ -106,8 +113,9 @@ class GraphRunner:
     ``ranks``: a :class:`bcg.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
     each call picks the bucket of the largest ``T`` of all ranks and one form
-    of replay for all (see :meth:`__call__`). Every rank must make the same
-    calls in the same order.
+    of replay for all (see :meth:`__call__`), or, with
+    ``RankAgreement(same_inputs=True)``, chooses locally and checks afterwards.
+    Every rank must make the same calls in the same order.
 
     ``docs/runner.md`` says how a call runs: fallbacks, padded-row
     sanitizing, output lifetimes and thread safety.
@@ -374,10 +382,11 @@ class GraphRunner:
                 barrier=self._barrier, compute_outputs=self._draws_rng,
             )
             tier_lives = self._lives_for(n)[:-1]
-            if tier_lives and self._ranks is not None:
-                log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= (every rank must "
-                         "replay the same form)", self.name, n)
-            for live in tier_lives if self._ranks is None else ():
+            if tier_lives and self._ranks is not None and not self._ranks.same_inputs:
+                log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= unless "
+                         "RankAgreement(same_inputs=True) (every rank must replay the same form)", self.name, n)
+                tier_lives = []
+            for live in tier_lives:
                 tier = self._capture_tier(n, out, live, graph.staged)
                 if tier is not None:
                     bucket.tiers.append(tier)
@@ -422,8 +431,11 @@ class GraphRunner:
     def _capture_tier(self, n: int, outputs: Any, live: Any, staged: tuple[str, ...]) -> BreakableGraph | None:
         """A staged tier of bucket ``n``: its forward warmed up, then captured, with ``live``,
         ending with a copy of its outputs into ``outputs`` (the bucket's, held meanwhile);
-        None (logged) when a staged breakpoint did not run inline, or a step failed."""
+        None (logged) when a staged breakpoint did not run inline, or a step failed. With
+        ranks, the ranks vote through it as through a bucket's capture: all keep it, or none."""
         graph = BreakableGraph()
+        vote = CaptureVote(self._ranks) if self._ranks is not None else None
+        bucket_barrier, self._barrier = self._barrier, (vote.barrier if vote is not None else None)
         try:
             static, sanitizer = self._setup()
             views = static.load_example(n)
@@ -431,16 +443,20 @@ class GraphRunner:
             with self._on_capture_stream(), recording(StagedWarmup(), live), torch.no_grad():
                 self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
             self._capture_graph(graph, n, self._pool, live, into=outputs)
+            if set(graph.staged) != set(staged):
+                raise CaptureError("it did not capture every staged breakpoint inline (its live metadata does "
+                                   "not fit its own bounds)")
+            if vote is not None and not vote.finish():
+                raise CaptureError("another rank failed to capture it")
         except Exception as exc:  # the bucket's own graph is captured: it serves the calls instead
+            if vote is not None:
+                vote.fail()
             log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",
                         self.name, n, type(exc).__name__, exc)
             graph.reset()
             return None
-        if set(graph.staged) != set(staged):
-            log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier did not capture every staged breakpoint "
-                        "inline (its live metadata does not fit its own bounds), skipped", self.name, n)
-            graph.reset()
-            return None
+        finally:
+            self._barrier = bucket_barrier
         return graph
 
     def _finish_bucket(self, bucket: _Bucket) -> None:
@@ -523,11 +539,17 @@ class GraphRunner:
         With ``ranks=`` (multi-GPU), the bucket is picked for the largest ``T``
         of all ranks (unless ``bucket`` is given), and the ranks agree on whether
         to run the breakable form and whether to stitch: one or two all-reduces
-        on the CPU group per call.
+        on the CPU group per call. With ``RankAgreement(same_inputs=True)`` the
+        call chooses locally (keyed graphs still agree on stitching) and, after
+        the launch, checks in the background that every rank chose alike
+        (:meth:`bcg.RankAgreement.expect_same`; a difference raises
+        :class:`bcg.ReplayError` at the next call).
         """
         with self._lock.lock:
             if not self._captured:
                 raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
+            ranks = self._ranks
+            agree = ranks if ranks is not None and not ranks.same_inputs else None  # before every launch
             handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
             if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
                 T = handed[0]  # input_buffers(T) itself: valid as made
@@ -542,25 +564,27 @@ class GraphRunner:
                     )
                 n: int | None = bucket
                 T_all = T
-            elif handed is not None and self._ranks is None:
+            elif handed is not None and agree is None:
                 n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
             else:
-                T_all = self._ranks.max([T])[0] if self._ranks is not None else T
+                T_all = agree.max([T])[0] if agree is not None else T
                 n = pick_bucket(self._buckets_list, T_all)
             if n is None:
-                return self._fallback("too_large", inputs, live)
+                return self._fallback("too_large", inputs, live, T)
             chosen = self._buckets[n]
             if chosen.failure is not None:
-                return self._fallback("capture_failed", inputs, live)
+                return self._fallback("capture_failed", inputs, live, T, n)
             if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
-                return self._fallback("padding_waste", inputs, live)
+                return self._fallback("padding_waste", inputs, live, T, n)
             static, sanitizer = self._static, self._sanitizer
             assert static is not None and sanitizer is not None
             graph = chosen.graph
             fits_checked = False
-            for tier in chosen.tiers:  # the first staged tier that fits (none with ranks=)
+            route = 0  # the bucket's graph; k + 1: its tier k (none with agreement before every launch); -1: breakable
+            breakable = False
+            for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
                 if tier.would_fall_back(live) is None:
-                    graph, fits_checked = tier, True
+                    graph, fits_checked, route = tier, True, k + 1
                     break
             stream: int | None = None
             if graph is not None:
@@ -581,11 +605,16 @@ class GraphRunner:
             if graph is not None:
                 if self._sanitize:
                     graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
-                if self._ranks is None:
+                if ranks is None:
                     graph.replay(live, fits_checked=fits_checked)
+                elif agree is None and not _keyed(graph):  # same inputs: the local choice
+                    breakable = not fits_checked and graph.would_fall_back(live) is not None
+                    graph.replay(live, fits_checked=not breakable)  # (a misfit asks fits again, for its reason)
                 else:
-                    breakable, stitch = self._agree_on_replay(graph, live)
+                    breakable, stitch = self._agree_on_replay(graph, live, ranks)
                     graph.replay(live, breakable=breakable, stitch=stitch)
+                if breakable:
+                    route = -1
                 leaves = chosen.leaves
             else:
                 hook = sanitizer.hook(n)
@@ -594,29 +623,28 @@ class GraphRunner:
                 chosen.leaves = leaves
             chosen.replays += 1
             self._real_rows += T
+            if agree is None and ranks is not None:  # after the launch: the GPU works meanwhile
+                ranks.expect_same({"call T": T, "bucket": n, "route": route})
             assert leaves is not None
             copy = self._copy_outputs
             if copy is None:
                 copy = not self._lock.views_safe()
             return self._slice(chosen, leaves, T, copy, keep=graph is not None)
 
-    def _agree_on_replay(self, graph: BreakableGraph, live: Any) -> tuple[bool, bool]:
+    def _agree_on_replay(self, graph: BreakableGraph, live: Any, ranks: RankAgreement) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
 
-        Only with ranks. One all-reduce when the graph is staged or keyed; else the local
-        choice. Stitching is allowed only where every rank would stitch (a rank whose first
-        build of an executable the driver refuses still replays piecewise: the same
-        collectives in the same order).
+        One all-reduce when the graph is staged or keyed; else the local choice. Stitching
+        is allowed only where every rank would stitch (a rank whose first build of an
+        executable the driver refuses still replays piecewise: the same collectives in the
+        same order).
         """
-        assert self._ranks is not None
-        fallback = graph.fallback
-        keyed = graph.variants is not None or (fallback is not None and fallback.variants is not None)
-        if not (graph.staged or keyed):
+        if not (graph.staged or _keyed(graph)):
             return False, True
         misfit = graph.would_fall_back(live) is not None
         no_inline_stitch = not graph.would_stitch(live, breakable=False)
         no_fallback_stitch = not graph.would_stitch(live, breakable=True)
-        misfit_any, no_inline_any, no_fallback_any = self._ranks.max(
+        misfit_any, no_inline_any, no_fallback_any = ranks.max(
             [int(misfit), int(no_inline_stitch), int(no_fallback_stitch)]
         )
         breakable = bool(misfit_any)
@@ -664,10 +692,14 @@ class GraphRunner:
             return views[0]
         return pytree.tree_unflatten(views, bucket.spec)
 
-    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any) -> Any:
+    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, T: int, n: int | None = None) -> Any:
+        """``forward(*inputs)`` eagerly, counted under ``reason`` (``n``: the bucket picked, if any)."""
         self._fallbacks[reason] += 1
         with torch.no_grad(), live_scope(live):
-            return self._forward(*inputs)
+            out = self._forward(*inputs)
+        if self._ranks is not None and self._ranks.same_inputs:
+            self._ranks.expect_same({"call T": T, "bucket": n or 0, "route": -2 - FALLBACK_REASONS.index(reason)})
+        return out
 
     # -- inspection ------------------------------------------------------------------------------
     @property
