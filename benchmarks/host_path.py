@@ -201,7 +201,7 @@ for r in range(3):
 
 # -- prepare after the launch: whole calls of a gated runner, interleaved with the first and the floor --
 args_gated = cli.parse_args(argv)
-assert args_gated.prepare_after_launch
+assert llama.after_launch(args_gated)
 case_gated = llama.make_case(model, args_gated, dev, attn, T)
 built_gated = modes._bcg_staged(case_gated, registry.BuildContext(), compiled=compiled)
 runner_gated = [c.cell_contents for c in built_gated.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]

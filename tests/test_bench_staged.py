@@ -58,10 +58,11 @@ def test_slots_flag() -> None:
 
 def test_prepare_after_launch_flag_reaches_the_staged_breakpoints() -> None:
     model = llama.setup(cli.parse_args(["--shape", "tiny", "--tokens", "16"]), torch.device("cpu"))
-    for argv, after in (([], True), (["--no-prepare-after-launch"], False)):
+    for argv, after in (([], True), (["--no-prepare-after-launch"], False), (["--tp", "2"], False),
+                        (["--tp", "2", "--prepare-after-launch"], True)):
         args = cli.parse_args(["--shape", "tiny", "--tokens", "16", *argv])
-        assert args.prepare_after_launch is after and llama.config(args, torch.device("cpu"))["prepare_after_launch"] is after
-        staged = model.staged_attention(args.slots, args.prepare_after_launch)
+        assert llama.after_launch(args) is after and llama.config(args, torch.device("cpu"))["prepare_after_launch"] is after
+        staged = model.staged_attention(args.slots, llama.after_launch(args))
         assert all(bp.__bcg_breakpoint__.prepare_after_launch is after for bp in staged.breakpoints.values())
     assert model.staged_attention(8, True) is not model.staged_attention(8, False)
 

@@ -36,7 +36,9 @@ batch runs the first whose slots hold its requests, so it does not pay for
 empty slots. A batch of more requests than ``--slots`` runs the breakable form.
 Its ``prepare`` runs after the graph's launch, while the GPU runs the first
 layer's work before attention (``prepare_after_launch=True``); with
-``--no-prepare-after-launch``, before the launch.
+``--no-prepare-after-launch``, before the launch. Under ``--tp`` the default is
+before the launch: on two H200s, a TP graph that reached its gate before the host
+opened it lost some 130 us at T=128 (``benchmarks/results/README.md``).
 """
 
 from __future__ import annotations
@@ -164,9 +166,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slots", type=positive_int, default=8, metavar="R",
                    help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
                    "requests replays the breakable form (default 8)")
-    g.add_argument("--prepare-after-launch", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--prepare-after-launch", action=argparse.BooleanOptionalAction, default=None,
                    help="the staged attention's prepare runs after the graph's launch, which waits for it at "
-                   "a captured gate (default); --no-prepare-after-launch: before the launch")
+                   "a captured gate (default on one GPU); --no-prepare-after-launch: before the launch "
+                   "(default under --tp)")
     g.add_argument("--slot-tiers", type=slot_tiers, default=None, metavar="K,...",
                    help="slot counts below R captured as staged tiers of each runner bucket "
                    "(bcg.StagedTiers): a batch of at most K requests replays the K-slot form "
@@ -257,6 +260,13 @@ def tiers_of(args: argparse.Namespace) -> list[int]:
     return list(tiers) if tiers is not None else default_slot_tiers(args.slots)
 
 
+def after_launch(args: argparse.Namespace) -> bool:
+    """Whether the staged attention's ``prepare`` runs after the launch (``--prepare-after-launch``,
+    else on one GPU only: under ``--tp`` a TP graph waiting at its gate lost more than it saved)."""
+    flag = getattr(args, "prepare_after_launch", None)
+    return bool(flag) if flag is not None else getattr(args, "tp", 1) == 1
+
+
 def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {
         "shape_preset": args.shape,
@@ -267,7 +277,7 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "attn": list(args.attn),
         "slots": args.slots,
         "slot_tiers": tiers_of(args),
-        "prepare_after_launch": args.prepare_after_launch,
+        "prepare_after_launch": after_launch(args),
         "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
     }
 
@@ -824,7 +834,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
-        staged = model.staged_attention(args.slots, args.prepare_after_launch)
+        staged = model.staged_attention(args.slots, after_launch(args))
         case.staged = dataclasses.replace(
             case,
             bp=staged.breakpoints[attn],
@@ -886,7 +896,7 @@ def _ladder(
     buckets = bcg.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
-    staged_attention = model.staged_attention(args.slots, args.prepare_after_launch)
+    staged_attention = model.staged_attention(args.slots, after_launch(args))
     bp = staged_attention.breakpoints["varlen"] if staged else attention_varlen
 
     lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
