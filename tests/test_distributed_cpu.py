@@ -77,9 +77,10 @@ def _runner(rank: int, fail_bucket: int | None) -> Any:
     return failed, outs, st["replays"], st["fallbacks"]
 
 
-def _same_inputs(rank: int, diverge: bool) -> Any:
+def _same_inputs(rank: int, diverge: bool, fail: bool = False) -> Any:
     """A runner whose ranks promise the same inputs: no exchange before a call's run, a check after.
-    With ``diverge``, rank 1's second call has other rows (another bucket)."""
+    With ``diverge``, rank 1's second call has other rows (another bucket); with ``fail``, rank 0's
+    forward raises in bucket 32 (its second call) after the capture."""
     ranks = RankAgreement(same_inputs=True)
     net = _Net(rank, None)
     runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
@@ -90,13 +91,15 @@ def _same_inputs(rank: int, diverge: bool) -> Any:
         raise AssertionError("a call exchanged before running, with same_inputs=True")
 
     ranks.max = no_exchange  # type: ignore[method-assign]  # (the captures' votes are over)
+    if fail:
+        net.fail_bucket = 32
     outs, errors = [], []
     for T in [10, 20 if rank == 0 or not diverge else 12, 40, 5]:  # 40: too large, eager on both ranks
         x = torch.randn(T, 4)
         try:
             got = runner(x, live=3.0)
-        except bcg.ReplayError as exc:
-            errors.append(str(exc))
+        except (bcg.ReplayError, RuntimeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
             continue
         with bcg.live_scope(3.0):
             want = net.scale(x @ net.w) + 1
@@ -104,7 +107,7 @@ def _same_inputs(rank: int, diverge: bool) -> Any:
     try:
         ranks.wait_checks()
     except bcg.ReplayError as exc:
-        errors.append(str(exc))
+        errors.append(f"{type(exc).__name__}: {exc}")
     st = runner.stats()
     return outs, errors, st["replays"], st["fallbacks"]["too_large"]
 
@@ -173,6 +176,20 @@ def test_same_inputs_ranks_that_diverge_raise_at_the_next_call() -> None:
         assert len(errors) == 1 and outs == [True, True, True], (rank, errors, outs)
         assert "differed at call 1" in errors[0] and "call T from 12 to 20" in errors[0], errors[0]
         assert "bucket from 16 to 32" in errors[0] and "same_inputs=False" in errors[0]
+
+
+def test_same_inputs_a_call_that_raises_on_one_rank_still_posts_its_check() -> None:
+    """Rank 0's second call raises in forward; rank 1's runs: both ranks' next call raises ReplayError
+    (the checks stay paired: no rank waits for ever), and the calls after it run."""
+    import functools
+
+    results = run_world(functools.partial(_same_inputs, diverge=False, fail=True))
+    for rank, (outs, errors, replays, _) in enumerate(results):
+        raised = ["RuntimeError: injected failure at 32 rows"] if rank == 0 else []
+        assert errors[: len(raised)] == raised, (rank, errors)
+        mismatch = errors[len(raised):]
+        assert len(mismatch) == 1 and "differed at call 1" in mismatch[0] and "route from -100 to 0" in mismatch[0]
+        assert len(outs) == 4 - len(errors) and all(outs), (rank, outs)
 
 
 def test_bench_tp2_relaunches_through_torchrun_and_writes_a_file_per_rank(tmp_path: Any) -> None:

@@ -38,6 +38,11 @@ log = logging.getLogger("bcg")
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
 
 
+#: A call's route in :meth:`bcg.RankAgreement.expect_same` checks: 0 the bucket's graph, k + 1 its
+#: staged tier k, -1 its breakable form, -2 - i eager for ``FALLBACK_REASONS[i]``, and this: raised.
+_RAISED = -100
+
+
 def _keyed(graph: BreakableGraph) -> bool:
     """Whether the graph or its breakable form has keyed breakpoints (variants: per-rank state)."""
     fallback = graph.fallback
@@ -550,86 +555,97 @@ class GraphRunner:
                 raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
             ranks = self._ranks
             agree = ranks if ranks is not None and not ranks.same_inputs else None  # before every launch
-            handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
-            if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
-                T = handed[0]  # input_buffers(T) itself: valid as made
-            else:
-                handed = None
-                T = check_inputs(self._inputs, inputs, self.name)
-            if bucket is not None:
-                if bucket not in self._buckets or bucket < T:
-                    raise ValueError(
-                        f"GraphRunner({self.name}): bucket={bucket} is not a bucket of the ladder "
-                        f"{self._buckets_list} at least T={T}"
-                    )
-                n: int | None = bucket
-                T_all = T
-            elif handed is not None and agree is None:
-                n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
-            else:
-                T_all = agree.max([T])[0] if agree is not None else T
-                n = pick_bucket(self._buckets_list, T_all)
-            if n is None:
-                return self._fallback("too_large", inputs, live, T)
-            chosen = self._buckets[n]
-            if chosen.failure is not None:
-                return self._fallback("capture_failed", inputs, live, T, n)
-            if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
-                return self._fallback("padding_waste", inputs, live, T, n)
-            static, sanitizer = self._static, self._sanitizer
-            assert static is not None and sanitizer is not None
-            graph = chosen.graph
-            fits_checked = False
-            route = 0  # the bucket's graph; k + 1: its tier k (none with agreement before every launch); -1: breakable
-            breakable = False
-            for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
-                if tier.would_fall_back(live) is None:
-                    graph, fits_checked, route = tier, True, k + 1
-                    break
-            stream: int | None = None
-            if graph is not None:
-                device = _current_device()
-                if device != self._device.index:
-                    raise ReplayError(
-                        f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
-                        f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
-                    )
-                stream = self._lock.serialize_streams(device)
-            if handed is not None and handed[1] == n:
-                if not self._sanitize:
-                    static.zero_tails(chosen.views, T)  # (the rows before T are the call's own)
-            else:
-                static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
-            if self._sanitize:
-                sanitizer.set_rows(T, stream)  # every call (written if it changed): a stitched launch runs the zeroing too
-            if graph is not None:
-                if self._sanitize:
-                    graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
-                if ranks is None:
-                    graph.replay(live, fits_checked=fits_checked)
-                elif agree is None and not _keyed(graph):  # same inputs: the local choice
-                    breakable = not fits_checked and graph.would_fall_back(live) is not None
-                    graph.replay(live, fits_checked=not breakable)  # (a misfit asks fits again, for its reason)
+            # same inputs: this call's choices, checked after it (every call posts one check, even
+            # one that raised, so the ranks' checks stay paired)
+            choice = None if ranks is None or agree is not None else {"call T": -1, "bucket": 0, "route": _RAISED}
+            try:
+                handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
+                if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
+                    T = handed[0]  # input_buffers(T) itself: valid as made
                 else:
-                    breakable, stitch = self._agree_on_replay(graph, live, ranks)
-                    graph.replay(live, breakable=breakable, stitch=stitch)
-                if breakable:
-                    route = -1
-                leaves = chosen.leaves
-            else:
-                hook = sanitizer.hook(n)
-                recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
-                leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
-                chosen.leaves = leaves
-            chosen.replays += 1
-            self._real_rows += T
-            if agree is None and ranks is not None:  # after the launch: the GPU works meanwhile
-                ranks.expect_same({"call T": T, "bucket": n, "route": route})
-            assert leaves is not None
-            copy = self._copy_outputs
-            if copy is None:
-                copy = not self._lock.views_safe()
-            return self._slice(chosen, leaves, T, copy, keep=graph is not None)
+                    handed = None
+                    T = check_inputs(self._inputs, inputs, self.name)
+                if choice is not None:
+                    choice["call T"] = T
+                if bucket is not None:
+                    if bucket not in self._buckets or bucket < T:
+                        raise ValueError(
+                            f"GraphRunner({self.name}): bucket={bucket} is not a bucket of the ladder "
+                            f"{self._buckets_list} at least T={T}"
+                        )
+                    n: int | None = bucket
+                    T_all = T
+                elif handed is not None and agree is None:
+                    n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
+                else:
+                    T_all = agree.max([T])[0] if agree is not None else T
+                    n = pick_bucket(self._buckets_list, T_all)
+                if choice is not None:
+                    choice["bucket"] = n or 0
+                if n is None:
+                    return self._fallback("too_large", inputs, live, choice)
+                chosen = self._buckets[n]
+                if chosen.failure is not None:
+                    return self._fallback("capture_failed", inputs, live, choice)
+                if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
+                    return self._fallback("padding_waste", inputs, live, choice)
+                static, sanitizer = self._static, self._sanitizer
+                assert static is not None and sanitizer is not None
+                graph = chosen.graph
+                fits_checked = False
+                route = 0  # for the check (see _RAISED); tiers exist only without agreement before every launch
+                breakable = False
+                for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
+                    if tier.would_fall_back(live) is None:
+                        graph, fits_checked, route = tier, True, k + 1
+                        break
+                stream: int | None = None
+                if graph is not None:
+                    device = _current_device()
+                    if device != self._device.index:
+                        raise ReplayError(
+                            f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
+                            f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
+                        )
+                    stream = self._lock.serialize_streams(device)
+                if handed is not None and handed[1] == n:
+                    if not self._sanitize:
+                        static.zero_tails(chosen.views, T)  # (the rows before T are the call's own)
+                else:
+                    static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
+                if self._sanitize:
+                    sanitizer.set_rows(T, stream)  # every call (written if it changed): a stitched launch runs the zeroing too
+                if graph is not None:
+                    if self._sanitize:
+                        graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
+                    if ranks is None:
+                        graph.replay(live, fits_checked=fits_checked)
+                    elif agree is None and not _keyed(graph):  # same inputs: the local choice
+                        breakable = not fits_checked and graph.would_fall_back(live) is not None
+                        graph.replay(live, fits_checked=not breakable)  # (a misfit asks fits again, for its reason)
+                    else:
+                        breakable, stitch = self._agree_on_replay(graph, live, ranks)
+                        graph.replay(live, breakable=breakable, stitch=stitch)
+                    if breakable:
+                        route = -1
+                    leaves = chosen.leaves
+                else:
+                    hook = sanitizer.hook(n)
+                    recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
+                    leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
+                    chosen.leaves = leaves
+                chosen.replays += 1
+                self._real_rows += T
+                if choice is not None:
+                    choice["route"] = route
+                assert leaves is not None
+                copy = self._copy_outputs
+                if copy is None:
+                    copy = not self._lock.views_safe()
+                return self._slice(chosen, leaves, T, copy, keep=graph is not None)
+            finally:
+                if choice is not None and ranks is not None:
+                    ranks.expect_same(choice)  # after the launch: the GPU works meanwhile
 
     def _agree_on_replay(self, graph: BreakableGraph, live: Any, ranks: RankAgreement) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
@@ -692,13 +708,13 @@ class GraphRunner:
             return views[0]
         return pytree.tree_unflatten(views, bucket.spec)
 
-    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, T: int, n: int | None = None) -> Any:
-        """``forward(*inputs)`` eagerly, counted under ``reason`` (``n``: the bucket picked, if any)."""
+    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, choice: dict[str, int] | None) -> Any:
+        """``forward(*inputs)`` eagerly, counted under ``reason`` (and noted in ``choice``, if any)."""
         self._fallbacks[reason] += 1
         with torch.no_grad(), live_scope(live):
             out = self._forward(*inputs)
-        if self._ranks is not None and self._ranks.same_inputs:
-            self._ranks.expect_same({"call T": T, "bucket": n or 0, "route": -2 - FALLBACK_REASONS.index(reason)})
+        if choice is not None:
+            choice["route"] = -2 - FALLBACK_REASONS.index(reason)
         return out
 
     # -- inspection ------------------------------------------------------------------------------
