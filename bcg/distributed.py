@@ -64,7 +64,9 @@ class RankAgreement:
         With ``same_inputs=True``, ranks handed different batches are caught one
         call late: the call whose choices differed has already launched, and its
         collectives may have mismatched (wrong values, or a stream that waits
-        for ever). Use it only where every rank is given the same batch.
+        for ever); the next call raises after it has run too. Use it only where
+        every rank is given the same batch, and call :meth:`wait_checks` before
+        the process group goes, to check the last call.
     """
 
     def __init__(self, group: Any = None, *, same_inputs: bool = False) -> None:
@@ -134,8 +136,9 @@ class RankAgreement:
         differ = [f"{name} from {lo} to {hi}" for name, lo, hi in zip(choice, lowest, highest) if lo != hi]
         if differ:
             raise ReplayError(
-                f"the ranks' calls differed at call {index} of this agreement ({', '.join(differ)}; this rank: "
-                f"{choice}). RankAgreement(same_inputs=True) needs every rank to make the same calls with the "
+                f"the ranks' calls differed at check {index} of this agreement (its checks counted from 0; "
+                f"{'; '.join(differ)}; this rank: {choice}). RankAgreement(same_inputs=True) needs every rank "
+                "to make the same calls with the "
                 "same T and live metadata; that call's collectives may have mismatched (wrong values, or a "
                 "stream waiting for ever). Give every rank the same batch, or use "
                 "RankAgreement(same_inputs=False) to agree before every launch"

@@ -174,7 +174,7 @@ def test_same_inputs_ranks_that_diverge_raise_at_the_next_call() -> None:
     for rank, (outs, errors, replays, _) in enumerate(run_world(functools.partial(_same_inputs, diverge=True))):
         # call 2 differed (rank 0: 20 rows, bucket 32; rank 1: 12 rows, bucket 16): call 3 raises on both
         assert len(errors) == 1 and outs == [True, True, True], (rank, errors, outs)
-        assert "differed at call 1" in errors[0] and "call T from 12 to 20" in errors[0], errors[0]
+        assert "differed at check 1" in errors[0] and "call T from 12 to 20" in errors[0], errors[0]
         assert "bucket from 16 to 32" in errors[0] and "same_inputs=False" in errors[0]
 
 
@@ -188,7 +188,7 @@ def test_same_inputs_a_call_that_raises_on_one_rank_still_posts_its_check() -> N
         raised = ["RuntimeError: injected failure at 32 rows"] if rank == 0 else []
         assert errors[: len(raised)] == raised, (rank, errors)
         mismatch = errors[len(raised):]
-        assert len(mismatch) == 1 and "differed at call 1" in mismatch[0] and "route from -100 to 0" in mismatch[0]
+        assert len(mismatch) == 1 and "differed at check 1" in mismatch[0] and "-100 raised) from -100 to 0" in mismatch[0]
         assert len(outs) == 4 - len(errors) and all(outs), (rank, outs)
 
 
@@ -215,3 +215,11 @@ def test_tp_refuses_shapes_it_cannot_shard() -> None:
 
     with pytest.raises(SystemExit):
         cli.parse_args(["--tp", "3", "--shape", "tiny"], cuda=False)  # 4 heads, 2 KV heads
+
+
+def test_rank_agreement_flag_needs_tp() -> None:
+    from bcg.bench import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--rank-agreement", "every-call"], cuda=False)
+    assert cli.parse_args(["--tp", "2", "--rank-agreement", "every-call"], cuda=False).rank_agreement == "every-call"

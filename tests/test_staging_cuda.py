@@ -412,3 +412,50 @@ def test_reset_from_a_breakpoint_of_the_fallback_is_refused_and_frees_nothing() 
     holder.clear()
     graph.reset()
     assert not graph.is_captured
+
+
+def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ranks, every rank confirms a bucket's graph and breakable form (a vote) before the
+    tiers' eager warm-ups: a peer that failed the bucket after its last vote there is learnt at
+    that vote, and the bucket fails on this rank too (it runs eagerly), not inside a tier's capture.
+    The peer is simulated: a stand-in agreement whose next vote says the peer failed."""
+    from bcg.runner import graph_runner
+
+    staging = TieredStaging()
+    block = Block(_make_attention(staging))
+    peer = {"failed": False}
+    real_capture_fallback = graph_runner.capture_fallback
+
+    def capture_fallback(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real_capture_fallback(*args, **kwargs)
+        peer["failed"] = sum(kwargs["live"].lengths) == 64  # the peer fails bucket 64 right after this
+        return out
+
+    class OnePeer:  # RankAgreement(same_inputs=True), as this rank sees its peer
+        same_inputs = True
+
+        def all(self, flag: bool) -> bool:
+            ok = flag and not peer["failed"]
+            peer["failed"] = False
+            return ok
+
+        def expect_same(self, choice: dict[str, int]) -> None:
+            pass
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        return bcg.StagedTiers(Meta(_lengths(random.Random(n), n, 1), slots=1), _capture_meta(n))
+
+    monkeypatch.setattr(graph_runner, "capture_fallback", capture_fallback)
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
+    runner = bcg.GraphRunner(block, buckets=[32, 64], example_inputs=(x,), capture_live=tiers, progress=False,
+                             ranks=OnePeer()).capture()  # type: ignore[arg-type]
+    assert sorted(runner.failed_buckets) == [64] and "another rank" in runner.failed_buckets[64]
+    assert runner.tiers(64) == [] and len(runner.tiers(32)) == 1  # bucket 32 and its tier voted through
+    rng = random.Random(5)
+    for T, requests in ((50, 1), (20, 1), (30, 3)):  # eager (bucket 64), bucket 32's tier, its graph
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), (T, requests)
+    stats = runner.stats()
+    assert stats["fallbacks"]["capture_failed"] == 1 and stats["tier_replays"] == 1 and stats["inline_replays"] == 2
+    runner.reset()

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel over N ranks (llama; Megatron-style shards, NCCL all-reduces on GPUs, "
                    "gloo on the CPU): relaunches itself through torch.distributed.run (torchrun) unless already "
                    "under it; each rank writes bench.rank<r>.json/png (default 1)")
-    p.add_argument("--rank-agreement", choices=("same-inputs", "every-call"), default="same-inputs",
+    p.add_argument("--rank-agreement", choices=("same-inputs", "every-call"), default=None,
                    help="--tp: how runner modes' ranks agree: 'same-inputs' (every rank gets the same batch, "
                    "as here: choices made locally, checked after the launch) or 'every-call' (all-reduces "
                    "on the CPU group before every launch) (default same-inputs)")
@@ -141,6 +141,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, cuda:
     all of them are named, each with its reason.
     """
     forced = ""
+    if args.rank_agreement is not None and args.tp == 1:
+        parser.error("argument --rank-agreement: only with --tp N (N > 1)")
     if cuda and args.tp > 1 and args.tp > torch.cuda.device_count():
         parser.error(f"argument --tp: {args.tp} ranks need {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
     if cuda is False and getattr(args, "shape", "tiny") != "tiny":
@@ -433,7 +435,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
         # same batch: with same-inputs, each chooses locally and the choices are checked after the
         # launch); NCCL captures in thread_local mode (the process group's watchdog thread queries
         # events meanwhile)
-        ctx.ranks = bcg.RankAgreement(same_inputs=args.rank_agreement == "same-inputs")
+        ctx.ranks = bcg.RankAgreement(same_inputs=args.rank_agreement != "every-call")
         ctx.capture_error_mode = "thread_local"
     suffix = f".rank{rank}" if rank is not None else ""
 
@@ -527,6 +529,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
                 save()
             del state
             _cleanup(cuda)
+        if ctx.ranks is not None:  # the last call's check (same inputs), before the group goes
+            try:
+                ctx.ranks.wait_checks()
+            except bcg.ReplayError as exc:
+                errors.append({"ranks": True, "error": f"{type(exc).__name__}: {exc}"})
     finally:
         stack.close()
         bar.close()

@@ -23,7 +23,7 @@ from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
 from bcg.distributed import CaptureVote, RankAgreement
 from bcg.variants import VariantPolicy
-from bcg.errors import BcgError, CaptureError, ReplayError
+from bcg.errors import BcgError, CaptureError, ReplayError, add_note
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.cudart import stream_readers
@@ -38,8 +38,10 @@ log = logging.getLogger("bcg")
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
 
 
-#: A call's route in :meth:`bcg.RankAgreement.expect_same` checks: 0 the bucket's graph, k + 1 its
-#: staged tier k, -1 its breakable form, -2 - i eager for ``FALLBACK_REASONS[i]``, and this: raised.
+#: A call's route in :meth:`bcg.RankAgreement.expect_same` checks (the key names the codes, for
+#: its error message): 0 the bucket's graph, k + 1 its staged tier k, -1 its breakable form,
+#: -2 - i eager for ``FALLBACK_REASONS[i]``, and ``_RAISED``.
+_ROUTE = "route (0 graph, k tier k-1, -1 breakable, -2 too_large, -3 padding_waste, -4 capture_failed, -100 raised)"
 _RAISED = -100
 
 
@@ -391,6 +393,11 @@ class GraphRunner:
                 log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= unless "
                          "RankAgreement(same_inputs=True) (every rank must replay the same form)", self.name, n)
                 tier_lives = []
+            if tier_lives and self._barrier is not None:
+                # Every rank has the bucket's graph and breakable form before any tier's eager
+                # warm-up (with collectives) runs: a rank that failed after its last vote cast
+                # False, and the others learn it here, not inside a tier's capture.
+                self._barrier()
             for live in tier_lives:
                 tier = self._capture_tier(n, out, live, graph.staged)
                 if tier is not None:
@@ -557,7 +564,8 @@ class GraphRunner:
             agree = ranks if ranks is not None and not ranks.same_inputs else None  # before every launch
             # same inputs: this call's choices, checked after it (every call posts one check, even
             # one that raised, so the ranks' checks stay paired)
-            choice = None if ranks is None or agree is not None else {"call T": -1, "bucket": 0, "route": _RAISED}
+            choice = None if ranks is None or agree is not None else {"call T": -1, "bucket": 0, _ROUTE: _RAISED}
+            raised: BaseException | None = None
             try:
                 handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
                 if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
@@ -620,9 +628,11 @@ class GraphRunner:
                         graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
                     if ranks is None:
                         graph.replay(live, fits_checked=fits_checked)
-                    elif agree is None and not _keyed(graph):  # same inputs: the local choice
+                    elif agree is None:  # same inputs: the form chosen locally (a misfit asks fits again, for its reason)
                         breakable = not fits_checked and graph.would_fall_back(live) is not None
-                        graph.replay(live, fits_checked=not breakable)  # (a misfit asks fits again, for its reason)
+                        # keyed: stitch only where every rank would (variant caches are per-rank state)
+                        stitch = not _keyed(graph) or ranks.all(graph.would_stitch(live, breakable=breakable))
+                        graph.replay(live, breakable=breakable, stitch=stitch, fits_checked=not breakable)
                     else:
                         breakable, stitch = self._agree_on_replay(graph, live, ranks)
                         graph.replay(live, breakable=breakable, stitch=stitch)
@@ -637,15 +647,24 @@ class GraphRunner:
                 chosen.replays += 1
                 self._real_rows += T
                 if choice is not None:
-                    choice["route"] = route
+                    choice[_ROUTE] = route
                 assert leaves is not None
                 copy = self._copy_outputs
                 if copy is None:
                     copy = not self._lock.views_safe()
                 return self._slice(chosen, leaves, T, copy, keep=graph is not None)
+            except BaseException as exc:
+                raised = exc
+                raise
             finally:
-                if choice is not None and ranks is not None:
-                    ranks.expect_same(choice)  # after the launch: the GPU works meanwhile
+                if choice is not None and ranks is not None:  # after the launch: the GPU works meanwhile
+                    if raised is None:
+                        ranks.expect_same(choice)
+                    else:  # the call's own exception goes on; a failed check becomes its note
+                        try:
+                            ranks.expect_same(choice)
+                        except ReplayError as check:
+                            add_note(raised, f"bcg: and the ranks' previous check failed: {check}")
 
     def _agree_on_replay(self, graph: BreakableGraph, live: Any, ranks: RankAgreement) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
@@ -714,7 +733,7 @@ class GraphRunner:
         with torch.no_grad(), live_scope(live):
             out = self._forward(*inputs)
         if choice is not None:
-            choice["route"] = -2 - FALLBACK_REASONS.index(reason)
+            choice[_ROUTE] = -2 - FALLBACK_REASONS.index(reason)
         return out
 
     # -- inspection ------------------------------------------------------------------------------
