@@ -41,7 +41,7 @@ def test_mode_modules_do_not_import_each_other_and_load_in_order() -> None:
     first, loaded, module_list = map(json.loads, proc.stdout.splitlines())
     assert first == [False, ["piecewise-cuda-graphs", "breakable-cuda-graphs"]]
     assert loaded == list(registry.MODES)  # the same order as when cli loaded them
-    assert loaded[:3] == ["eager", "floor", "bcg"] and loaded[-1] == "breakable-cuda-graphs"
+    assert loaded[:4] == ["eager", "floor", "floor-again", "bcg"] and loaded[-1] == "breakable-cuda-graphs"
     assert module_list == ["bcg.bench.modes", "bcg.bench.peers"]
 
 

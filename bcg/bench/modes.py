@@ -300,6 +300,12 @@ def build_floor(case: Case, ctx: BuildContext) -> Built:
     return _floor(case, ctx, compiled=False)
 
 
+@register_mode("floor-again", help="a second capture of the floor, timed as its own mode: its paired ratio "
+               "to the floor is the run's A/A noise (what a ratio can be off by with nothing different)")
+def build_floor_again(case: Case, ctx: BuildContext) -> Built:
+    return _floor(case, ctx, compiled=False)
+
+
 @register_mode("bcg", help="bcg.GraphRunner (one bucket = T), default executor")
 def build_bcg(case: Case, ctx: BuildContext) -> Built:
     return _bcg_runner(case, ctx, None)
