@@ -38,7 +38,7 @@ Its ``prepare`` runs after the graph's launch, while the GPU runs the first
 layer's work before attention (``prepare_after_launch=True``); with
 ``--no-prepare-after-launch``, before the launch. Under ``--tp`` the default is
 before the launch: on two H200s, a TP graph that reached its gate before the host
-opened it lost some 130 us at T=128 (``benchmarks/results/README.md``).
+opened it lost 60-180 us a call at T=128 (README, Multi-GPU).
 """
 
 from __future__ import annotations
