@@ -148,7 +148,7 @@ class StagingBuffer:
         """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
         into the pinned host copy."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
-        if self._gate_flag is not None and self._gate_flag[0]:
+        if self.gate_open:
             self._wait_for_gate()  # a queued gated copy has not read the value released for it
         if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device

@@ -55,11 +55,26 @@ def _gated_attention(staging: Staging):  # noqa: ANN202
                           prepare_after_launch=True)(_attention_body)
 
 
-def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -> None:
+def _gated_runner(buckets: list[int], layers: int = 2) -> tuple[GatedStaging, Block, bcg.GraphRunner]:
+    """A runner over ``layers`` gated attention layers, with its staging and its block (the eager reference)."""
     staging = GatedStaging()
-    block = Block(_gated_attention(staging), layers=3)
-    buckets = [64, 256]
-    runner = _runner(block, buckets)
+    block = Block(_gated_attention(staging), layers=layers)
+    return staging, block, _runner(block, buckets)
+
+
+def _assert_replays_match_eager(graph: bcg.BreakableGraph, forward, x: torch.Tensor,  # noqa: ANN001
+                                rng: random.Random, calls: int) -> None:
+    """``calls`` replays of ``graph`` (captured on ``x``) on fresh inputs and lengths, each equal to ``forward``'s."""
+    for _ in range(calls):
+        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
+        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
+        out = graph.replay(meta)
+        with bcg.live_scope(meta), torch.no_grad():
+            assert torch.equal(out, forward(x)), meta.lengths
+
+
+def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -> None:
+    staging, block, runner = _gated_runner([64, 256], layers=3)
     assert runner.graph(256).stats().staged == ("attn",)
     assert runner.graph(64).prepares_after_launch and runner.graph(256).prepares_after_launch
     rng = random.Random(3)
@@ -87,9 +102,7 @@ def test_the_launched_graph_waits_for_prepare_and_replays_stay_bit_identical() -
 
 
 def test_replays_queued_behind_a_busy_gpu_each_read_their_own_metadata() -> None:
-    staging = GatedStaging()
-    block = Block(_gated_attention(staging))
-    runner = _runner(block, [128])
+    staging, block, runner = _gated_runner([128])
     rng = random.Random(5)
     calls = []
     for _ in range(2):
@@ -106,9 +119,7 @@ def test_replays_queued_behind_a_busy_gpu_each_read_their_own_metadata() -> None
 
 
 def test_a_prepare_that_raises_after_the_launch_says_so_and_the_next_call_is_right() -> None:
-    staging = GatedStaging()
-    block = Block(_gated_attention(staging))
-    runner = _runner(block, [128])
+    staging, block, runner = _gated_runner([128])
     rng = random.Random(9)
     x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
     staging.raise_next = True
@@ -185,12 +196,7 @@ def test_a_breakpoint_that_raises_before_the_gated_segment_leaves_no_gate_open()
         graph.replay(Meta(_lengths(rng, 128, 2)))  # prepared, gate opened; the gated segment never launched
     fail[0] = False
     assert not graph.prepares_after_launch and _settled(staging)
-    for _ in range(5):
-        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
-        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
-        out = graph.replay(meta)
-        with bcg.live_scope(meta), torch.no_grad():
-            assert torch.equal(out, forward(x)), meta.lengths
+    _assert_replays_match_eager(graph, forward, x, rng, calls=5)
     graph.reset()
 
 
@@ -221,12 +227,7 @@ def test_a_guard_failure_before_a_prepare_first_launch_leaves_no_gate_open() -> 
         graph.replay(Meta(_lengths(rng, 128, 2)))
     assert _settled(staging)
     x.set_(alias)
-    for _ in range(3):
-        meta = Meta(_lengths(rng, 128, rng.randint(1, SLOTS)))
-        x.copy_(torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE))
-        out = graph.replay(meta)
-        with bcg.live_scope(meta), torch.no_grad():
-            assert torch.equal(out, forward(x)), meta.lengths
+    _assert_replays_match_eager(graph, forward, x, rng, calls=3)
     graph.reset()
 
 

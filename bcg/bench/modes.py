@@ -350,6 +350,17 @@ def build_floor_compile(case: Case, ctx: BuildContext) -> Built:
 
 
 @register_mode(
+    "floor-compile-again",
+    help="a second capture of floor-compile, timed as its own mode: its paired ratio to floor-compile "
+    "is the compiled modes' A/A noise",
+    available=_compile_reason,
+    compiled=True,
+)
+def build_floor_compile_again(case: Case, ctx: BuildContext) -> Built:
+    return _floor(case, ctx, compiled=True)
+
+
+@register_mode(
     "bcg-compile",
     help="bcg.GraphRunner (one bucket = T) over the torch.compile'd regions; row has compile_s",
     available=_compile_reason,

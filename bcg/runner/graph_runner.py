@@ -41,8 +41,10 @@ FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
 #: A call's route in :meth:`bcg.RankAgreement.expect_same` checks (the key names the codes, for
 #: its error message): 0 the bucket's graph, k + 1 its staged tier k, -1 its breakable form,
 #: -2 - i eager for ``FALLBACK_REASONS[i]``, and ``_RAISED``.
-_ROUTE = "route (0 graph, k tier k-1, -1 breakable, -2 too_large, -3 padding_waste, -4 capture_failed, -100 raised)"
 _RAISED = -100
+_ROUTE = "route (0 graph, k tier k-1, -1 breakable, {}, {} raised)".format(
+    ", ".join(f"{-2 - i} {reason}" for i, reason in enumerate(FALLBACK_REASONS)), _RAISED
+)
 
 
 def _keyed(graph: BreakableGraph) -> bool:
@@ -561,110 +563,119 @@ class GraphRunner:
             if not self._captured:
                 raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
             ranks = self._ranks
-            agree = ranks if ranks is not None and not ranks.same_inputs else None  # before every launch
-            # same inputs: this call's choices, checked after it (every call posts one check, even
-            # one that raised, so the ranks' checks stay paired)
-            choice = None if ranks is None or agree is not None else {"call T": -1, "bucket": 0, _ROUTE: _RAISED}
-            raised: BaseException | None = None
+            if ranks is None or not ranks.same_inputs:
+                return self._call(inputs, live, bucket, None)
+            return self._checked_call(inputs, live, bucket, ranks)
+
+    def _checked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None, ranks: RankAgreement) -> Any:
+        """A call under ``RankAgreement(same_inputs=True)``: chosen locally, then checked.
+
+        Every call posts one check after its launch (the GPU works meanwhile), even a call
+        that raised, so the ranks' checks stay paired; the call's own exception goes on,
+        with a failed check as its note.
+        """
+        choice = {"call T": -1, "bucket": 0, _ROUTE: _RAISED}
+        try:
+            out = self._call(inputs, live, bucket, choice)
+        except BaseException as exc:
             try:
-                handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
-                if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
-                    T = handed[0]  # input_buffers(T) itself: valid as made
-                else:
-                    handed = None
-                    T = check_inputs(self._inputs, inputs, self.name)
-                if choice is not None:
-                    choice["call T"] = T
-                if bucket is not None:
-                    if bucket not in self._buckets or bucket < T:
-                        raise ValueError(
-                            f"GraphRunner({self.name}): bucket={bucket} is not a bucket of the ladder "
-                            f"{self._buckets_list} at least T={T}"
-                        )
-                    n: int | None = bucket
-                    T_all = T
-                elif handed is not None and agree is None:
-                    n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
-                else:
-                    T_all = agree.max([T])[0] if agree is not None else T
-                    n = pick_bucket(self._buckets_list, T_all)
-                if choice is not None:
-                    choice["bucket"] = n or 0
-                if n is None:
-                    return self._fallback("too_large", inputs, live, choice)
-                chosen = self._buckets[n]
-                if chosen.failure is not None:
-                    return self._fallback("capture_failed", inputs, live, choice)
-                if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
-                    return self._fallback("padding_waste", inputs, live, choice)
-                static, sanitizer = self._static, self._sanitizer
-                assert static is not None and sanitizer is not None
-                graph = chosen.graph
-                fits_checked = False
-                route = 0  # for the check (see _RAISED); tiers exist only without agreement before every launch
-                breakable = False
-                for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
-                    if tier.would_fall_back(live) is None:
-                        graph, fits_checked, route = tier, True, k + 1
-                        break
-                stream: int | None = None
-                if graph is not None:
-                    device = _current_device()
-                    if device != self._device.index:
-                        raise ReplayError(
-                            f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
-                            f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
-                        )
-                    stream = self._lock.serialize_streams(device)
-                if handed is not None and handed[1] == n:
-                    if not self._sanitize:
-                        static.zero_tails(chosen.views, T)  # (the rows before T are the call's own)
-                else:
-                    static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
-                if self._sanitize:
-                    sanitizer.set_rows(T, stream)  # every call (written if it changed): a stitched launch runs the zeroing too
-                if graph is not None:
-                    if self._sanitize:
-                        graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
-                    if ranks is None:
-                        graph.replay(live, fits_checked=fits_checked)
-                    elif agree is None:  # same inputs: the form chosen locally (a misfit asks fits again, for its reason)
-                        breakable = not fits_checked and graph.would_fall_back(live) is not None
-                        # keyed: stitch only where every rank would (variant caches are per-rank state)
-                        stitch = not _keyed(graph) or ranks.all(graph.would_stitch(live, breakable=breakable))
-                        graph.replay(live, breakable=breakable, stitch=stitch, fits_checked=not breakable)
-                    else:
-                        breakable, stitch = self._agree_on_replay(graph, live, ranks)
-                        graph.replay(live, breakable=breakable, stitch=stitch)
-                    if breakable:
-                        route = -1
-                    leaves = chosen.leaves
-                else:
-                    hook = sanitizer.hook(n)
-                    recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
-                    leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
-                    chosen.leaves = leaves
-                chosen.replays += 1
-                self._real_rows += T
-                if choice is not None:
-                    choice[_ROUTE] = route
-                assert leaves is not None
-                copy = self._copy_outputs
-                if copy is None:
-                    copy = not self._lock.views_safe()
-                return self._slice(chosen, leaves, T, copy, keep=graph is not None)
-            except BaseException as exc:
-                raised = exc
-                raise
-            finally:
-                if choice is not None and ranks is not None:  # after the launch: the GPU works meanwhile
-                    if raised is None:
-                        ranks.expect_same(choice)
-                    else:  # the call's own exception goes on; a failed check becomes its note
-                        try:
-                            ranks.expect_same(choice)
-                        except ReplayError as check:
-                            add_note(raised, f"bcg: and the ranks' previous check failed: {check}")
+                ranks.expect_same(choice)
+            except ReplayError as check:
+                add_note(exc, f"bcg: and the ranks' previous check failed: {check}")
+            raise
+        ranks.expect_same(choice)
+        return out
+
+    def _call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None, choice: dict[str, int] | None) -> Any:
+        """One call, under the call lock; ``choice`` (same inputs only) records what it chose."""
+        ranks = self._ranks
+        agree = ranks if ranks is not None and not ranks.same_inputs else None  # before every launch
+        handed = self._handed_ids.get(id(inputs[self._first_padded])) if len(inputs) > self._first_padded else None
+        if handed is not None and len(inputs) == len(handed[2]) and all(map(operator.is_, inputs, handed[2])):
+            T = handed[0]  # input_buffers(T) itself: valid as made
+        else:
+            handed = None
+            T = check_inputs(self._inputs, inputs, self.name)
+        if choice is not None:
+            choice["call T"] = T
+        if bucket is not None:
+            if bucket not in self._buckets or bucket < T:
+                raise ValueError(
+                    f"GraphRunner({self.name}): bucket={bucket} is not a bucket of the ladder "
+                    f"{self._buckets_list} at least T={T}"
+                )
+            n: int | None = bucket
+            T_all = T
+        elif handed is not None and agree is None:
+            n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
+        else:
+            T_all = agree.max([T])[0] if agree is not None else T
+            n = pick_bucket(self._buckets_list, T_all)
+        if choice is not None:
+            choice["bucket"] = n or 0
+        if n is None:
+            return self._fallback("too_large", inputs, live, choice)
+        chosen = self._buckets[n]
+        if chosen.failure is not None:
+            return self._fallback("capture_failed", inputs, live, choice)
+        if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
+            return self._fallback("padding_waste", inputs, live, choice)
+        static, sanitizer = self._static, self._sanitizer
+        assert static is not None and sanitizer is not None
+        graph = chosen.graph
+        fits_checked = False
+        route = 0  # for the check (see _RAISED); tiers exist only without agreement before every launch
+        breakable = False
+        for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
+            if tier.would_fall_back(live) is None:
+                graph, fits_checked, route = tier, True, k + 1
+                break
+        stream: int | None = None
+        if graph is not None:
+            device = _current_device()
+            if device != self._device.index:
+                raise ReplayError(
+                    f"GraphRunner({self.name}) was captured on {self._device} but the current device is "
+                    f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
+                )
+            stream = self._lock.serialize_streams(device)
+        if handed is not None and handed[1] == n:
+            if not self._sanitize:
+                static.zero_tails(chosen.views, T)  # (the rows before T are the call's own)
+        else:
+            static.write(chosen.views, inputs, T, zero_tail=not self._sanitize, stream=stream)
+        if self._sanitize:
+            sanitizer.set_rows(T, stream)  # every call (written if it changed): a stitched launch runs the zeroing too
+        if graph is not None:
+            if self._sanitize:
+                graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
+            if ranks is None:
+                graph.replay(live, fits_checked=fits_checked)
+            elif agree is None:  # same inputs: the form chosen locally (a misfit asks fits again, for its reason)
+                breakable = not fits_checked and graph.would_fall_back(live) is not None
+                # keyed: stitch only where every rank would (variant caches are per-rank state)
+                stitch = not _keyed(graph) or ranks.all(graph.would_stitch(live, breakable=breakable))
+                graph.replay(live, breakable=breakable, stitch=stitch, fits_checked=not breakable)
+            else:
+                breakable, stitch = self._agree_on_replay(graph, live, ranks)
+                graph.replay(live, breakable=breakable, stitch=stitch)
+            if breakable:
+                route = -1
+            leaves = chosen.leaves
+        else:
+            hook = sanitizer.hook(n)
+            recorder = CrossingRecorder((lambda ts, br: hook(ts)) if hook is not None else None)
+            leaves, _ = pytree.tree_flatten(self._run_eager(n, chosen.views, live, recorder))
+            chosen.leaves = leaves
+        chosen.replays += 1
+        self._real_rows += T
+        if choice is not None:
+            choice[_ROUTE] = route
+        assert leaves is not None
+        copy = self._copy_outputs
+        if copy is None:
+            copy = not self._lock.views_safe()
+        return self._slice(chosen, leaves, T, copy, keep=graph is not None)
 
     def _agree_on_replay(self, graph: BreakableGraph, live: Any, ranks: RankAgreement) -> tuple[bool, bool]:
         """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
