@@ -45,6 +45,9 @@ class GraphStats:
     :meth:`bcg.variants.VariantCache.stats`; None without keyed breakpoints).
     ``disabled``: the node groups replays skip now (:meth:`BreakableGraph.set_enabled`);
     ``trimmed_executables``: the executables built without skipped groups, over all segments.
+    ``launched_first``: inline replays that launched before ``prepare``
+    (``prepare_after_launch``); ``late_launches``: those whose launch returned
+    with the GPU already waiting at a gate (see :mod:`bcg.staging`).
     """
 
     mode: str
@@ -63,6 +66,8 @@ class GraphStats:
     disabled: tuple[str, ...] = ()
     trimmed_executables: int = 0
     variants: dict[str, Any] | None = None
+    launched_first: int = 0
+    late_launches: int = 0
 
 
 class BreakableGraph:
@@ -163,6 +168,11 @@ class BreakableGraph:
         """``(inline replays, {reason: replays of the fallback})`` so far (cheap: no allocator snapshot)."""
         return self._inline_replays, dict(self._fallback_replays)
 
+    def launch_order(self) -> tuple[int, int]:
+        """``(launched_first, late_launches)`` so far (see :class:`GraphStats`; cheap)."""
+        stager = self._parts.stager
+        return (stager.launched_first, stager.late_launches) if stager is not None else (0, 0)
+
     @property
     def staged(self) -> tuple[str, ...]:
         """The staged breakpoints captured inline (their names)."""
@@ -237,6 +247,7 @@ class BreakableGraph:
         parts = self._parts
         graph_mode = parts.mode == "graph"
         pool = pool_bytes(parts.pool, parts.device) if graph_mode else 0
+        launched_first, late_launches = self.launch_order()
         return GraphStats(
             mode=parts.mode,
             segments=len(segments),
@@ -254,6 +265,8 @@ class BreakableGraph:
             variants=self.variants.stats() if self.variants is not None else None,
             disabled=tuple(sorted(self._disabled)),
             trimmed_executables=sum(len(s.trimmed) for s in segments),
+            launched_first=launched_first,
+            late_launches=late_launches,
         )
 
     # -- replay -------------------------------------------------------------------------
@@ -305,7 +318,7 @@ class BreakableGraph:
                 reason = "another rank's metadata does not fit"
             if reason is not None:
                 return self._replay_fallback(reason, live, stitch)
-            launch_first = self._launches_first
+            launch_first = self._launches_first and stager.launch_first_now()
             self._inline_replays += 1
         token = set_live(live)
         self._replaying += 1
@@ -317,7 +330,7 @@ class BreakableGraph:
                 parts.poison.apply()
             if stager is not None:
                 if launch_first:
-                    stager.wait_for_gates()  # the previous replay's copies took their values
+                    stager.before_launch()  # the previous replay's copies took their values
                 else:
                     stager.prepare(live)  # host writes; the graph copies them in
             if executor is None:

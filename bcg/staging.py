@@ -60,6 +60,18 @@ the launch. Constraints:
   one's copy has taken the value it was released for.
 * The flags are plain stores, ordered after the values' on x86 (TSO); on
   other hosts bcg runs ``prepare`` before the launch.
+
+Launching first pays only while the launch returns before the GPU reaches the
+first gate. A launch's host time grows with the graph's work (on an H200, an
+8B forward's took 10, 60 and 290 us at 128, 512 and 2048 tokens), so the GPU
+can get there first and wait for the rest of the launch and ``prepare``, where
+running ``prepare`` first would have cost it only ``prepare``. Each gated copy
+therefore also says when the GPU reached it (a pinned *arrival* flag, written
+just before the gate's wait). A replay whose launch returns with an arrival
+already set is *late*; after ``LATE_STREAK`` late replays in a row, the graph
+runs ``prepare`` first for the next ``PREPARE_FIRST_REPLAYS`` replays, then
+tries launching first again. ``GraphStats.launched_first`` and
+``late_launches`` count them.
 """
 
 from __future__ import annotations
@@ -97,6 +109,12 @@ _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i68
 # The buffers written since the innermost ``collecting()`` began (None: nobody collects).
 _WRITTEN: contextvars.ContextVar[list[StagingBuffer] | None] = contextvars.ContextVar("bcg_staged", default=None)
 
+#: Late launch-first replays in a row (the GPU at a gate before the launch returned) after which
+#: a graph runs ``prepare`` before its launch ...
+LATE_STREAK = 3
+#: ... for this many replays, then tries launching first again (the host's speed changes).
+PREPARE_FIRST_REPLAYS = 256
+
 
 class StagingBuffer:
     """A static device tensor whose value is written on the host at every replay.
@@ -131,12 +149,13 @@ class StagingBuffer:
         self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
         self._host_buffer = self.host.numpy().reshape(-1)
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
-        # The gate of the copies captured behind one: a pinned int32 flag, 1 from _release() until
-        # a queued gated copy has read the value (the GPU writes 0). Allocated here: pinning
-        # memory during a capture is not allowed.
-        self._gate: torch.Tensor | None = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else None
+        # The gate of the copies captured behind one: pinned int32 flags, [0] 1 from _release()
+        # until a queued gated copy has read the value (the GPU writes 0), [1] the arrival: the
+        # GPU writes 1 when it reaches the gate, the host clears it before a launch-first replay.
+        # Allocated here: pinning memory during a capture is not allowed.
+        self._gate: torch.Tensor | None = torch.zeros(2, dtype=torch.int32, pin_memory=True) if cuda else None
         self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
-        self._gate_address = 0  # its device address (the captured wait and write)
+        self._gate_address = 0  # its device address (the captured wait and writes; the arrival 4 bytes on)
         self._gate_stream = 0  # the stream of the copy the open gate is for (raw handle)
 
     @property
@@ -206,6 +225,7 @@ class StagingBuffer:
                 assert self._gate is not None
                 self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
                 self._gate_flag = self._gate.numpy()
+            cudart.write_value32(handle, self._gate_address + 4, 1)  # arrived (see Stager.prepare_launched)
             cudart.wait_value32(handle, self._gate_address, 1)
         cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
         if gated:
@@ -238,6 +258,13 @@ class StagingBuffer:
                         "idle): a replay of a gated graph failed in a way bcg could not settle. Capture "
                         "the graph again (or reset the runner)"
                     )
+
+    def _arrived(self) -> bool:
+        """Whether the GPU reached a gated copy of this buffer since :meth:`_clear_arrival`."""
+        return bool(self._gate_flag[1])
+
+    def _clear_arrival(self) -> None:
+        self._gate_flag[1] = 0
 
     def _close_gate(self) -> None:
         """Clear a gate no queued copy will read (after a failure, with the stream drained)."""
@@ -287,6 +314,10 @@ class Stager:
         self._capture_values: list[torch.Tensor] = []  # their host values at capture (bounds that fit)
         self._armed: list[StagingBuffer] = []  # gated copies of the capture's open segment, not yet run
         self._prepare_first = False  # a prepare recorded without gated copies: it runs before the launch
+        self._late_streak = 0  # late launch-first replays in a row (see LATE_STREAK)
+        self._prepare_first_left = 0  # replays left that run prepare first after a late streak
+        self.launched_first = 0  # replays that launched before prepare
+        self.late_launches = 0  # of those, the ones whose launch returned with the GPU at a gate
         self._device = 0  # the gated buffers' device
         self._current_stream = stream_readers()[1]  # its current raw stream, cheaply
 
@@ -317,6 +348,14 @@ class Stager:
         it and each buffer it writes is copied behind its gate (on a host whose stores are ordered)."""
         return bool(self._gated) and not self._prepare_first and _ORDERED_STORES
 
+    def launch_first_now(self) -> bool:
+        """For a replay that may launch first (:attr:`launches_first`): whether this one does
+        (``False`` for :data:`PREPARE_FIRST_REPLAYS` replays after a late streak)."""
+        if self._prepare_first_left:
+            self._prepare_first_left -= 1
+            return False
+        return True
+
     def _run_prepares(self, live: Any) -> None:
         for prepare in self._prepares:
             prepare(live)
@@ -340,13 +379,34 @@ class Stager:
         for buf in self._gated:
             buf._wait_for_gate()
 
+    def before_launch(self) -> None:
+        """Before a launch-first replay: :meth:`wait_for_gates`, then clear the arrivals (the
+        previous replay's were written before its copies, which have run)."""
+        for buf in self._gated:
+            buf._wait_for_gate()
+            buf._clear_arrival()
+
     def prepare_launched(self, live: Any) -> None:
         """:meth:`prepare` for a replay already launched, which waits at its gates.
 
-        A ``prepare`` that raises opens them on the values staged at capture
-        (the launched kernels read metadata within their bounds), and its
-        exception says so.
+        Called as the launch returns: first notes whether the GPU already
+        reached a gate (a late launch, see :data:`LATE_STREAK`). A ``prepare``
+        that raises opens the gates on the values staged at capture (the
+        launched kernels read metadata within their bounds), and its exception
+        says so.
         """
+        self.launched_first += 1
+        if any(buf._arrived() for buf in self._gated):
+            self.late_launches += 1
+            self._late_streak += 1
+            if self._late_streak >= LATE_STREAK:
+                self._late_streak = 0
+                self._prepare_first_left = PREPARE_FIRST_REPLAYS
+                log.info("bcg: the GPU reached a staged gate before the graph's launch returned in %d replays "
+                         "in a row: running prepare before the launch for the next %d replays",
+                         LATE_STREAK, PREPARE_FIRST_REPLAYS)
+        else:
+            self._late_streak = 0
         try:
             self._run_prepares(live)
         except BaseException as exc:

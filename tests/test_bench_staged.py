@@ -191,7 +191,8 @@ def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
 
 def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1}}
+    stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1},
+             "launched_first": 4, "late_launches": 0}
     calls: list[int] = []
 
     def run() -> torch.Tensor:
@@ -201,9 +202,11 @@ def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pyt
     start = modes._replay_measures(run, lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])},
                                    staged=True)
     stop = start()
-    stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3})  # the timed replays
+    stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3},  # the timed replays
+                 launched_first=7, late_launches=1)
     out = stop()
     assert out["inline_fraction"] == 0.75  # 6 inline of 8
+    assert out["launch_first_fraction"] == 0.5 and out["late_fraction"] == pytest.approx(1 / 3)  # 3 of 6, 1 of 3
     assert out["staged_fallbacks"] == {"too many requests": 2}
     assert out["host_us_per_replay"] > 0 and len(calls) == modes.HOST_CALLS
     assert set(modes._replay_measures(run)()()) == {"host_us_per_replay"}  # not staged: host time only
@@ -247,5 +250,5 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-8:] == ["host", "us", "inline", "hit", "stitch", "capts", "cache", "MiB"]
-    assert line.split()[-6:] == ["1.5", "0.50", "-", "-", "-", "-"]
+    assert head.split()[-10:] == ["host", "us", "inline", "1st", "late", "hit", "stitch", "capts", "cache", "MiB"]
+    assert line.split()[-8:] == ["1.5", "0.50", "-", "-", "-", "-", "-", "-"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bcg
+from bcg import staging
 
 SLOTS = 3
 
@@ -278,3 +279,53 @@ def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: p
             expected = fn(x)
         torch.testing.assert_close(graph.replay(lengths), expected)
     assert staging.prepared == []
+
+
+class _FakeGate:
+    """A gated buffer's flags as the Stager reads them (the GPU's arrival set by the test)."""
+
+    def __init__(self) -> None:
+        self.arrived = False
+        self.released = 0
+
+    def _arrived(self) -> bool:
+        return self.arrived
+
+    def _clear_arrival(self) -> None:
+        self.arrived = False
+
+    def _wait_for_gate(self) -> None:
+        pass
+
+    def _release(self, stream: int) -> None:
+        self.released += 1
+
+
+def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launching_first_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "PREPARE_FIRST_REPLAYS", 4)
+    stager = staging.Stager()
+    gate = _FakeGate()
+    stager._gated = [gate]  # a graph whose copy waits at one gate
+    stager._current_stream = lambda device: 0
+    prepared: list[int] = []
+    stager._prepares = [prepared.append]
+
+    def replay(late: bool) -> bool:
+        """One replay as BreakableGraph.replay runs it; whether it launched first."""
+        first = stager.launch_first_now()
+        if first:
+            stager.before_launch()
+            gate.arrived = late  # the GPU reached the gate while the launch ran (or not)
+            stager.prepare_launched(1)
+        else:
+            stager.prepare(1)
+        return first
+
+    assert [replay(late) for late in (True, True, False, True, True)] == [True] * 5  # the streak broke
+    assert stager.late_launches == 4 and stager.launched_first == 5
+    assert replay(True)  # the third late launch in a row ...
+    assert [replay(True) for _ in range(4)] == [False] * 4  # ... prepare runs first for PREPARE_FIRST_REPLAYS
+    assert replay(False) and replay(True)  # launching first is tried again; one late replay is no streak
+    assert (stager.launched_first, stager.late_launches) == (8, 6)
+    assert len(prepared) == 12 and gate.released == 12  # every replay prepared once and opened its gate once

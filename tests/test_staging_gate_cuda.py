@@ -22,6 +22,14 @@ if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machine
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def _always_launch_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the launch-first path itself: keep it even where launches are late
+    (small graphs on an idle GPU reach their gate in microseconds). The tests of late
+    launches set their own value."""
+    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)
+
+
 class GatedStaging(Staging):
     """Staging whose ``prepare`` can look at the stream, sleep, raise, or skip its write."""
 
@@ -307,3 +315,50 @@ def test_without_the_flag_prepare_runs_before_the_launch() -> None:
     assert staging.stream_idle == [True]  # nothing of this call was queued yet
     assert list(itertools.accumulate(meta.lengths, initial=0)) == staging.buffer.device.tolist()[:3]
     runner.reset()
+
+
+def _gated_graph(seed: int) -> tuple[bcg.BreakableGraph, Block, GatedStaging, torch.Tensor, random.Random]:
+    """A graph of gated attention layers, launched first (its plan is one segment)."""
+    staging = GatedStaging()
+    block = Block(_gated_attention(staging))
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    rng = random.Random(seed)
+    graph = bcg.make_graph(block, x, live=Meta(_lengths(rng, 128, SLOTS)))
+    assert graph.prepares_after_launch
+    return graph, block, staging, x, rng
+
+
+def test_launches_that_return_after_the_gpu_reached_a_gate_make_prepare_run_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 4)
+    graph, block, staging, x, rng = _gated_graph(43)
+    replay = torch.cuda.CUDAGraph.replay
+
+    def slow_launch(self: torch.cuda.CUDAGraph) -> None:  # a launch whose host part outlasts the GPU's way to the gate
+        replay(self)
+        time.sleep(0.005)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", slow_launch)
+    graph.use_executor("python")  # its segment launches go through CUDAGraph.replay
+    counts = []
+    for _ in range(bcg.staging.LATE_STREAK + 4 + 1):
+        torch.cuda.synchronize()  # the GPU idle: it reaches the gate at once
+        _assert_replays_match_eager(graph, block, x, rng, calls=1)
+        stats = graph.stats()
+        counts.append((stats.launched_first, stats.late_launches))
+    streak = bcg.staging.LATE_STREAK
+    # every launch-first replay was late; after the streak, 4 replays ran prepare first, then one launched first again
+    assert counts == [(i, i) for i in range(1, streak + 1)] + [(streak, streak)] * 4 + [(streak + 1, streak + 1)]
+    assert _settled(staging)
+    graph.reset()
+
+
+def test_launches_that_return_before_the_gpu_reaches_a_gate_stay_launch_first() -> None:
+    graph, block, staging, x, rng = _gated_graph(47)
+    for _ in range(8):
+        torch.cuda._sleep(20_000_000)  # the GPU busy for milliseconds: the launch returns long before it reaches the gate
+        _assert_replays_match_eager(graph, block, x, rng, calls=1)
+    stats = graph.stats()
+    assert (stats.launched_first, stats.late_launches) == (8, 0)
+    assert _settled(staging)
+    graph.reset()

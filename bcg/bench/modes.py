@@ -61,8 +61,10 @@ def _replay_measures(
             the median host time of :data:`HOST_CALLS` calls of it (``perf_counter``
             around the call alone, the GPU idle before each, no synchronize inside).
         runner_stats: the runner's ``stats``. ``staged``: adds ``inline_fraction`` (its inline
-            replays / graph calls over the timing rounds, their warm-up calls included) and
-            ``staged_fallbacks`` ({reason: replays of the breakable form} over them).
+            replays / graph calls over the timing rounds, their warm-up calls included),
+            ``launch_first_fraction`` (replays that launched before ``prepare`` / inline
+            replays) and ``late_fraction`` (of those, the ones whose launch returned with the
+            GPU at a gate), and ``staged_fallbacks`` ({reason: replays of the breakable form}).
         keyed: the runner's breakpoints are keyed: adds, over the same rounds, ``hit_rate``
             (breakpoint calls served by a variant), ``stitched_share`` (graph calls launched as
             one stitched graph), ``variant_captures``, and ``cache_mib`` (variant pools and
@@ -80,6 +82,9 @@ def _replay_measures(
                     calls = after["graph_calls"] - before["graph_calls"]
                     inline = after["inline_replays"] - before["inline_replays"]
                     out["inline_fraction"] = inline / calls if calls else None
+                    first = after["launched_first"] - before["launched_first"]
+                    out["launch_first_fraction"] = first / inline if inline else None
+                    out["late_fraction"] = (after["late_launches"] - before["late_launches"]) / first if first else None
                     fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
                     out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
                 if keyed:

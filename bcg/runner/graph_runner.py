@@ -865,7 +865,9 @@ class GraphRunner:
         ``inline_replays`` (graph calls whose staged breakpoints ran inline),
         ``tier_replays`` (those of them that ran a staged tier, see
         :class:`bcg.StagedTiers`) and ``staged_fallbacks`` ({reason: graph
-        calls that ran the breakable form});
+        calls that ran the breakable form}); ``launched_first`` and
+        ``late_launches`` (inline replays that launched before ``prepare``, and
+        those of them that found the GPU already at a gate: see :mod:`bcg.staging`);
         ``variants`` (keyed breakpoints, over every bucket's graphs: ``hits`` and
         ``misses`` (step calls), ``hit_rate``, ``captures``, ``stitched_replays``,
         ``evictions``, ``cache_bytes`` (variant pools and stitched executables)
@@ -874,7 +876,8 @@ class GraphRunner:
         """
         pool = self._pool_bytes()
         alone = self._largest_alone
-        staged = [g.staged_replays() for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
+        graphs = [g for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
+        staged = [g.staged_replays() for g in graphs]
         tier_replays = sum(t.staged_replays()[0] for x in self._buckets.values() for t in x.tiers)
         graph_calls = sum(x.replays for x in self._buckets.values())
         padded_rows = sum(x.size * x.replays for x in self._buckets.values())
@@ -900,6 +903,8 @@ class GraphRunner:
             "inline_replays": sum(inline for inline, _ in staged),
             "tier_replays": tier_replays,
             "staged_fallbacks": staged_fallbacks,
+            "launched_first": sum(g.launch_order()[0] for g in graphs),
+            "late_launches": sum(g.launch_order()[1] for g in graphs),
             "variants": self._variant_stats(),
         }
 
