@@ -271,7 +271,7 @@ class BreakableGraph:
 
     # -- replay -------------------------------------------------------------------------
     def replay(self, live: Any = UNSET, *, breakable: bool = False, stitch: bool = True,
-               fits_checked: bool = False) -> Any:
+               fits_checked: bool = False, launch_first: bool | None = None) -> Any:
         """Run segment, breakpoint, segment, ... on the current stream.
 
         ``live`` is what :func:`bcg.live` returns inside breakpoints during this
@@ -295,6 +295,12 @@ class BreakableGraph:
             stitch: allow one stitched launch (``False``: piecewise).
             fits_checked: the caller found ``would_fall_back(live)`` None just
                 before, with this ``live``: ``fits`` is not asked again.
+            launch_first: for a graph that :attr:`prepares_after_launch`:
+                ``None`` lets it choose (it runs ``prepare`` first for a while
+                after launches that returned with the GPU already at a gate;
+                see :mod:`bcg.staging`), ``True`` launches before ``prepare``,
+                ``False`` runs ``prepare`` first; neither of these two counts
+                toward that choice. Ignored by other graphs.
 
         Raises:
             VerificationError: an audit replay (``VariantPolicy.audit_every``)
@@ -311,25 +317,27 @@ class BreakableGraph:
                 f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
             )
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
-        launch_first = False
+        may_launch_first = False
         if stager is not None:
             reason = None if fits_checked else stager.misfit(live)
             if reason is None and breakable:
                 reason = "another rank's metadata does not fit"
             if reason is not None:
                 return self._replay_fallback(reason, live, stitch)
-            launch_first = self._launches_first and stager.launch_first_now()
+            may_launch_first = self._launches_first
             self._inline_replays += 1
         token = set_live(live)
         self._replaying += 1
         failed = True
+        launched_first = False
         try:
             if parts.guards is not None:
                 parts.guards.check()
             if parts.poison is not None:
                 parts.poison.apply()
             if stager is not None:
-                if launch_first:
+                if may_launch_first and (stager.launch_first_now() if launch_first is None else launch_first):
+                    launched_first = True
                     stager.before_launch()  # the previous replay's copies took their values
                 else:
                     stager.prepare(live)  # host writes; the graph copies them in
@@ -350,8 +358,9 @@ class BreakableGraph:
             if stager is not None:
                 if failed:
                     stager.settle()  # no gate left open, and no launched copy left waiting at one
-                elif launch_first:
-                    stager.prepare_launched(live)  # the graph waits at its gates for these writes
+                elif launched_first:  # the graph waits at its gates for these writes
+                    # (a forced order, or the profiler's slower launches, does not count toward the choice)
+                    stager.prepare_launched(live, choosing=launch_first is None and not _profiler._is_profiler_enabled)
         return self.outputs
 
     def set_enabled(self, label: str, enabled: bool) -> bool:
@@ -423,8 +432,9 @@ class BreakableGraph:
 
     @property
     def prepares_after_launch(self) -> bool:
-        """Whether inline replays launch before running ``prepare`` (every staged breakpoint says
-        ``prepare_after_launch=True`` and the plan is segments only; see :mod:`bcg.staging`)."""
+        """Whether inline replays may launch before running ``prepare`` (every staged breakpoint says
+        ``prepare_after_launch=True`` and the plan is segments only). Whether one does is chosen
+        per replay (see ``launch_first`` of :meth:`replay` and :mod:`bcg.staging`)."""
         return self._launches_first
 
     def would_fall_back(self, live: Any) -> str | None:

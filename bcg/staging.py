@@ -43,7 +43,8 @@ behind a *gate*: the graph waits (``cuStreamWaitValue32``) until a pinned flag
 of the buffer says its value is written, copies it, and clears the flag
 (``cuStreamWriteValue32``). A replay of a graph whose staged breakpoints all
 ask for it, and whose plan is segments only (no breakpoint steps), launches
-first and runs ``prepare`` while the GPU runs the work before the first copy
+first (unless its recent launches were late: below) and runs ``prepare`` while
+the GPU runs the work before the first copy
 (in a model: the first layer's work before attention); then bcg sets the
 flags. Other replays run ``prepare`` first, as above, and set the flags before
 the launch. Constraints:
@@ -225,7 +226,8 @@ class StagingBuffer:
                 assert self._gate is not None
                 self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
                 self._gate_flag = self._gate.numpy()
-            cudart.write_value32(handle, self._gate_address + 4, 1)  # arrived (see Stager.prepare_launched)
+            if _ORDERED_STORES:  # where replays may launch first: the arrival (see Stager.prepare_launched)
+                cudart.write_value32(handle, self._gate_address + 4, 1)
             cudart.wait_value32(handle, self._gate_address, 1)
         cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
         if gated:
@@ -318,6 +320,7 @@ class Stager:
         self._prepare_first_left = 0  # replays left that run prepare first after a late streak
         self.launched_first = 0  # replays that launched before prepare
         self.late_launches = 0  # of those, the ones whose launch returned with the GPU at a gate
+        self._switches = 0  # late streaks so far (the first is logged at INFO, later ones at DEBUG)
         self._device = 0  # the gated buffers' device
         self._current_stream = stream_readers()[1]  # its current raw stream, cheaply
 
@@ -380,33 +383,36 @@ class Stager:
             buf._wait_for_gate()
 
     def before_launch(self) -> None:
-        """Before a launch-first replay: :meth:`wait_for_gates`, then clear the arrivals (the
-        previous replay's were written before its copies, which have run)."""
+        """Before a launch-first replay: :meth:`wait_for_gates`, then clear the arrivals. In
+        this order: a replay's arrival is written before its copy, whose gate is read 0 only
+        once the copy ran, so no earlier arrival can land after the clear."""
         for buf in self._gated:
             buf._wait_for_gate()
             buf._clear_arrival()
 
-    def prepare_launched(self, live: Any) -> None:
+    def prepare_launched(self, live: Any, choosing: bool = True) -> None:
         """:meth:`prepare` for a replay already launched, which waits at its gates.
 
         Called as the launch returns: first notes whether the GPU already
-        reached a gate (a late launch, see :data:`LATE_STREAK`). A ``prepare``
+        reached a gate (a late launch), which counts toward the order of the
+        next replays (see :data:`LATE_STREAK`) when ``choosing``. A ``prepare``
         that raises opens the gates on the values staged at capture (the
         launched kernels read metadata within their bounds), and its exception
         says so.
         """
         self.launched_first += 1
-        if any(buf._arrived() for buf in self._gated):
-            self.late_launches += 1
-            self._late_streak += 1
+        late = any(buf._arrived() for buf in self._gated)
+        self.late_launches += late
+        if choosing:
+            self._late_streak = self._late_streak + 1 if late else 0
             if self._late_streak >= LATE_STREAK:
                 self._late_streak = 0
                 self._prepare_first_left = PREPARE_FIRST_REPLAYS
-                log.info("bcg: the GPU reached a staged gate before the graph's launch returned in %d replays "
-                         "in a row: running prepare before the launch for the next %d replays",
-                         LATE_STREAK, PREPARE_FIRST_REPLAYS)
-        else:
-            self._late_streak = 0
+                self._switches += 1
+                log.log(logging.INFO if self._switches == 1 else logging.DEBUG,
+                        "bcg: the GPU reached a staged gate before the graph's launch returned in %d replays "
+                        "in a row: running prepare before the launch for the next %d replays (late streak %d)",
+                        LATE_STREAK, PREPARE_FIRST_REPLAYS, self._switches)
         try:
             self._run_prepares(live)
         except BaseException as exc:

@@ -245,7 +245,7 @@ def _whole_replay(graph: BreakableGraph, live: Any, sample: int, static: Any, sa
     staged ones whose ``prepare`` runs after the launch (a step-by-step replay prepares first)."""
     for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
         dst.copy_(src)
-    graph.replay(live)
+    graph.replay(live, launch_first=True)  # (idle GPU: a late launch, not one to choose the order by)
     d = _diff(_tensors(graph.outputs), eager_out, rtol, atol)
     if d is None:
         return None

@@ -282,27 +282,31 @@ def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: p
 
 
 class _FakeGate:
-    """A gated buffer's flags as the Stager reads them (the GPU's arrival set by the test)."""
+    """A gated buffer's flags as the Stager reads them (the GPU's arrival set by the test); ``log``
+    records the Stager's waits and clears in order."""
 
     def __init__(self) -> None:
         self.arrived = False
         self.released = 0
+        self.log: list[str] = []
 
     def _arrived(self) -> bool:
         return self.arrived
 
     def _clear_arrival(self) -> None:
+        self.log.append("clear")
         self.arrived = False
 
     def _wait_for_gate(self) -> None:
-        pass
+        self.log.append("wait")
 
     def _release(self, stream: int) -> None:
         self.released += 1
 
 
-def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launching_first_is_tried_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_stager(monkeypatch: pytest.MonkeyPatch) -> tuple[staging.Stager, _FakeGate, list[int]]:
+    """A Stager of one gated buffer and one prepare (which records its calls), no GPU."""
+    monkeypatch.setattr(staging, "LATE_STREAK", 3)
     monkeypatch.setattr(staging, "PREPARE_FIRST_REPLAYS", 4)
     stager = staging.Stager()
     gate = _FakeGate()
@@ -310,12 +314,20 @@ def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launchin
     stager._current_stream = lambda device: 0
     prepared: list[int] = []
     stager._prepares = [prepared.append]
+    return stager, gate, prepared
+
+
+def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launching_first_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stager, gate, prepared = _fake_stager(monkeypatch)
 
     def replay(late: bool) -> bool:
         """One replay as BreakableGraph.replay runs it; whether it launched first."""
         first = stager.launch_first_now()
         if first:
+            gate.arrived = True  # the previous replay's arrival: cleared before this launch
             stager.before_launch()
+            assert gate.log[-2:] == ["wait", "clear"]  # cleared only once the previous copy ran
             gate.arrived = late  # the GPU reached the gate while the launch ran (or not)
             stager.prepare_launched(1)
         else:
@@ -329,3 +341,13 @@ def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launchin
     assert replay(False) and replay(True)  # launching first is tried again; one late replay is no streak
     assert (stager.launched_first, stager.late_launches) == (8, 6)
     assert len(prepared) == 12 and gate.released == 12  # every replay prepared once and opened its gate once
+
+
+def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    stager, gate, prepared = _fake_stager(monkeypatch)
+    for _ in range(5):  # forced launch-first replays (bcg.verify's, replay(launch_first=True)), all late
+        stager.before_launch()
+        gate.arrived = True
+        stager.prepare_launched(1, choosing=False)
+    assert (stager.launched_first, stager.late_launches) == (5, 5)
+    assert stager.launch_first_now()  # no streak came of them

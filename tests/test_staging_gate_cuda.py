@@ -290,7 +290,9 @@ def test_a_capture_leaves_the_gate_closed_whether_it_runs_the_segment_or_not(com
     graph.reset()
 
 
-def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare() -> None:
+def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 4)
+
     def make_inputs() -> tuple[torch.Tensor]:
         return (torch.randn(96, HIDDEN, device="cuda", dtype=DTYPE),)
 
@@ -298,6 +300,10 @@ def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare() -> None
     samples = [Meta(_lengths(rng, 96, r)) for r in (1, 2, 3, 4, 5)]
     report = bcg.verify(Block(_gated_attention(GatedStaging())), make_inputs, samples)
     assert report.ok and report.samples == 5
+    graph = report.graph
+    assert graph.launch_order()[0] == 5  # each sample also replayed whole, launched first ...
+    graph.replay(samples[0])
+    assert graph.launch_order()[0] == 6  # ... and none counted toward the order: the next replay launches first too
     with pytest.raises(bcg.VerificationError, match="output"):
         bcg.verify(Block(_gated_attention(GatedStaging(forget_last=True))), make_inputs, samples)
 

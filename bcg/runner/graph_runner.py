@@ -878,6 +878,7 @@ class GraphRunner:
         alone = self._largest_alone
         graphs = [g for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
         staged = [g.staged_replays() for g in graphs]
+        orders = [g.launch_order() for g in graphs]
         tier_replays = sum(t.staged_replays()[0] for x in self._buckets.values() for t in x.tiers)
         graph_calls = sum(x.replays for x in self._buckets.values())
         padded_rows = sum(x.size * x.replays for x in self._buckets.values())
@@ -903,8 +904,8 @@ class GraphRunner:
             "inline_replays": sum(inline for inline, _ in staged),
             "tier_replays": tier_replays,
             "staged_fallbacks": staged_fallbacks,
-            "launched_first": sum(g.launch_order()[0] for g in graphs),
-            "late_launches": sum(g.launch_order()[1] for g in graphs),
+            "launched_first": sum(first for first, _ in orders),
+            "late_launches": sum(late for _, late in orders),
             "variants": self._variant_stats(),
         }
 
