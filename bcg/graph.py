@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+# _profiler._is_profiler_enabled: whether a torch profiler runs, the flag torch's own
+# record_function reads; torch has no public query for it, and replays read it cheaply.
 import torch.autograd.profiler as _profiler
 from torch.utils import _pytree as pytree
 
