@@ -332,6 +332,7 @@ class BreakableGraph:
         self._replaying += 1
         failed = True
         launched_first = False
+        profiled = _profiler._is_profiler_enabled
         try:
             if parts.guards is not None:
                 parts.guards.check()
@@ -345,7 +346,7 @@ class BreakableGraph:
                     stager.prepare(live)  # host writes; the graph copies them in
             if executor is None:
                 parts.rerun()  # type: ignore[misc]
-            elif _profiler._is_profiler_enabled:
+            elif profiled:
                 if self.variants is not None:
                     self.variants.begin_replay(live, stitch=False)
                 self._run_profiled()
@@ -362,7 +363,7 @@ class BreakableGraph:
                     stager.settle()  # no gate left open, and no launched copy left waiting at one
                 elif launched_first:  # the graph waits at its gates for these writes
                     # (a forced order, or the profiler's slower launches, does not count toward the choice)
-                    stager.prepare_launched(live, choosing=launch_first is None and not _profiler._is_profiler_enabled)
+                    stager.prepare_launched(live, choosing=launch_first is None and not profiled)
         return self.outputs
 
     def set_enabled(self, label: str, enabled: bool) -> bool:

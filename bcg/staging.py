@@ -386,8 +386,8 @@ class Stager:
         """Before a launch-first replay: :meth:`wait_for_gates`, then clear the arrivals. In
         this order: a replay's arrival is written before its copy, whose gate is read 0 only
         once the copy ran, so no earlier arrival can land after the clear."""
+        self.wait_for_gates()
         for buf in self._gated:
-            buf._wait_for_gate()
             buf._clear_arrival()
 
     def prepare_launched(self, live: Any, choosing: bool = True) -> None:
