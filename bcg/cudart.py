@@ -1,8 +1,9 @@
 """Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime``).
 
 Only what the capture machinery needs: capture status, joining forked work,
-node counts, uploads, edited copies of graphs, launches, DOT dumps and
-stream memory operations (the gates of :mod:`bcg.staging`); and
+node counts, uploads, edited copies of graphs, launches, DOT dumps,
+stream memory operations and NVRTC-compiled kernels (the gates of
+:mod:`bcg.staging`); and
 the cheapest readers of torch's current device and stream. Handles are plain
 ``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
 ``CUDAGraph.raw_cuda_graph()`` return).
@@ -10,6 +11,7 @@ the cheapest readers of torch's current device and stream. Handles are plain
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections import Counter
 from collections.abc import Callable
@@ -271,6 +273,48 @@ def write_value32(stream: int, ptr: int, value: int) -> None:
     work before it is done (captured when capturing)."""
     drv = driver()
     _driver_call("cuStreamWriteValue32", stream, ptr, value, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+
+
+def compile_cubin(source: str, name: str, arch: str) -> bytes:
+    """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``);
+    raises ``RuntimeError`` with NVRTC's log when it fails."""
+    from cuda.bindings import nvrtc
+
+    def ok(result: Any) -> Any:
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {err!r}")
+        return rest[0] if rest else None
+
+    program = ok(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+    try:
+        options = [f"--gpu-architecture={arch}".encode()]
+        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
+            ok(nvrtc.nvrtcGetProgramLog(program, log))
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {log.decode(errors='replace').strip()}")
+        image = b" " * ok(nvrtc.nvrtcGetCUBINSize(program))
+        ok(nvrtc.nvrtcGetCUBIN(program, image))
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def load_function(image: bytes, name: str) -> Any:
+    """Load ``image`` (a cubin) into the current context and return its kernel ``name``
+    (``cuModuleLoadData``, ``cuModuleGetFunction``). The module is never unloaded: graphs
+    captured with the kernel launch it for as long as they live."""
+    module = _driver_call("cuModuleLoadData", image)
+    return _driver_call("cuModuleGetFunction", module, name.encode())
+
+
+def launch_kernel(function: Any, threads: int, stream: int, args: tuple[int, ...]) -> None:
+    """``cuLaunchKernel`` of ``function`` as one block of ``threads`` on ``stream`` (captured when
+    capturing), with 64-bit arguments ``args`` (addresses, sizes)."""
+    values = [ctypes.c_uint64(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    _driver_call("cuLaunchKernel", function, 1, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(params), 0)
 
 
 def copy_device_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -31,23 +31,26 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
 * Outside bcg (plain eager calls) the function runs with the real metadata;
   ``prepare`` and ``fits`` are not called.
 
-A :class:`StagingBuffer` guards its pinned memory: :meth:`StagingBuffer.write`
-first waits until the GPU has read the previous value (an event recorded right
-after the graph's copy), so a replay queued behind others never reads a value
-meant for a later one. The host blocks only when the queue is so deep that the
-previous replay's copy has not run yet.
+Each copy is captured behind a *gate*, a pinned flag of the buffer: one
+kernel (:mod:`bcg.gate`) waits until the flag says the value is written,
+copies it, and clears the flag. A replay sets the flags once ``prepare`` has
+written. :meth:`StagingBuffer.write` first waits until the previous replay's
+copy has cleared its flag, so a replay queued behind others never reads a
+value meant for a later one; the host blocks only when the queue is so deep
+that the previous replay's copy has not run yet. (Where the kernel cannot be
+built, the gate is stream memory operations, ``cuStreamWaitValue32`` and
+``cuStreamWriteValue32``, around a plain copy, and without
+``prepare_after_launch`` the copy is not gated: ``write`` waits for an event
+recorded after it.)
 
 ``@bcg.breakpoint(..., prepare_after_launch=True)`` takes ``prepare`` off the
-host's path before the launch. Each copy of a buffer it writes is captured
-behind a *gate*: the graph waits (``cuStreamWaitValue32``) until a pinned flag
-of the buffer says its value is written, copies it, and clears the flag
-(``cuStreamWriteValue32``). A replay of a graph whose staged breakpoints all
+host's path before the launch. A replay of a graph whose staged breakpoints all
 ask for it, and whose plan is segments only (no breakpoint steps), launches
 first (unless its recent launches were late: below) and runs ``prepare`` while
 the GPU runs the work before the first copy
 (in a model: the first layer's work before attention); then bcg sets the
-flags. Other replays run ``prepare`` first, as above, and set the flags before
-the launch. Constraints:
+flags. Other replays run ``prepare`` first and set the flags before the
+launch. Constraints:
 
 * ``prepare`` must never wait on the GPU (``.item()``, ``.cpu()``, a
   synchronize): the graph it would wait for is waiting for ``prepare``; a hang.
@@ -88,7 +91,7 @@ from typing import Any
 
 import torch
 
-from bcg import cudart
+from bcg import cudart, gate
 from bcg.cudart import stream_readers
 from bcg.breakpoint import BreakpointSpec, Recorder, live
 from bcg.errors import CaptureError, ReplayError, add_note
@@ -149,15 +152,21 @@ class StagingBuffer:
         # coercion, several times the host code, at every replay).
         self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
         self._host_buffer = self.host.numpy().reshape(-1)
+        # Recorded after each copy that is not gated (eager uploads; captured ones where the gated
+        # copy cannot be): write() waits for it while one may be queued.
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
+        self._read_pending = False  # an eager upload recorded _read and write() has not seen it done
+        self._read_in_graph = False  # a captured copy records _read at every replay
         # The gate of the copies captured behind one: pinned int32 flags, [0] 1 from _release()
         # until a queued gated copy has read the value (the GPU writes 0), [1] the arrival: the
         # GPU writes 1 when it reaches the gate, the host clears it before a launch-first replay.
-        # Allocated here: pinning memory during a capture is not allowed.
+        # Allocated here (pinning memory during a capture is not allowed), as is the kernel.
         self._gate: torch.Tensor | None = torch.zeros(2, dtype=torch.int32, pin_memory=True) if cuda else None
         self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
         self._gate_address = 0  # its device address (the captured wait and writes; the arrival 4 bytes on)
         self._gate_stream = 0  # the stream of the copy the open gate is for (raw handle)
+        # the gated-copy kernel (bcg.gate; None where it cannot be built: stream memory operations)
+        self._gated_copy: Any = gate.kernel(self._device_tensor.device.index) if cuda else None
 
     @property
     def device(self) -> torch.Tensor:
@@ -170,13 +179,16 @@ class StagingBuffer:
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
         if self.gate_open:
             self._wait_for_gate()  # a queued gated copy has not read the value released for it
-        if self._read is not None and (written is None or not torch.cuda.is_current_stream_capturing()):
+        if (self._read_pending or self._read_in_graph) and (
+                written is None or not torch.cuda.is_current_stream_capturing()):
             # The GPU has copied the previous value in. (A capture starts with a device
             # synchronize, so nothing is queued then, and waiting is not allowed.) Replays
             # skip the capture query: nothing records then. (A query first: synchronize
             # releases the GIL even when there is nothing to wait for.)
+            assert self._read is not None
             if not self._read.query():
                 self._read.synchronize()
+            self._read_pending = False
         if isinstance(values, torch.Tensor):
             if values.device.type != "cpu":
                 raise TypeError(
@@ -200,17 +212,24 @@ class StagingBuffer:
 
     @property
     def gate_open(self) -> bool:
-        """Whether a value is released to a gated copy that has not read it yet
-        (``prepare_after_launch``; always False for a buffer without one)."""
+        """Whether a value is released to a replay's gated copy that has not read it yet
+        (always False for a buffer whose copies are not gated)."""
         return bool(self._gate_flag is not None and self._gate_flag[0])
 
     def upload(self) -> None:
         """Copy the host value to the device on the current stream (captured when capturing)."""
-        self._upload(gated=False)
+        self._copy(gated=False)
 
-    def _upload(self, gated: bool) -> bool:
-        """:meth:`upload`; ``gated`` (when capturing): behind the buffer's gate, which the copy
-        waits for and then clears. Returns whether the copy was captured behind the gate."""
+    def _stage_copy(self, after_launch: bool) -> bool:
+        """The copy of a staged breakpoint's ``prepare`` (see :class:`Stager`): behind the gate
+        where the gated-copy kernel is built, or ``after_launch`` asks for it (when capturing).
+        Returns whether it was captured behind the gate."""
+        return self._copy(gated=after_launch or self._gated_copy is not None)
+
+    def _copy(self, gated: bool) -> bool:
+        """Copy the host value to the device on the current stream: when capturing, ``gated``
+        behind the buffer's gate, which the copy waits for and then closes (the gated-copy
+        kernel, else stream memory operations). Returns whether the copy was captured behind it."""
         if self._read is None:
             self._device_tensor.copy_(self.host)
             return False
@@ -218,24 +237,30 @@ class StagingBuffer:
         if not torch.cuda.is_current_stream_capturing():
             self._device_tensor.copy_(self.host, non_blocking=True)
             self._read.record(stream)
+            self._read_pending = True
             return False
         handle = stream.cuda_stream
         nbytes = self.host.numel() * self.host.element_size()
-        if gated:
-            if self._gate_flag is None:
-                assert self._gate is not None
-                self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
-                self._gate_flag = self._gate.numpy()
-            if _ORDERED_STORES:  # where replays may launch first: the arrival (see Stager.prepare_launched)
-                cudart.write_value32(handle, self._gate_address + 4, 1)
-            cudart.wait_value32(handle, self._gate_address, 1)
-        cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
-        if gated:
-            # No event behind a gate: a write made after the launch would wait on this replay's.
-            cudart.write_value32(handle, self._gate_address, 0)
-        else:
+        if not gated:
+            cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
             self._read.record(stream)
-        return gated
+            self._read_in_graph = True
+            return False
+        if self._gate_flag is None:
+            assert self._gate is not None
+            self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
+            self._gate_flag = self._gate.numpy()
+        if self._gated_copy is not None:
+            # No event behind a gate: a write made after the launch would wait on this replay's.
+            gate.launch(self._gated_copy, handle, self._gate_address, cudart.host_device_pointer(self.host.data_ptr()),
+                        self._device_tensor.data_ptr(), nbytes)
+            return True
+        if _ORDERED_STORES:  # where replays may launch first: the arrival (see Stager.prepare_launched)
+            cudart.write_value32(handle, self._gate_address + 4, 1)
+        cudart.wait_value32(handle, self._gate_address, 1)
+        cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, handle)
+        cudart.write_value32(handle, self._gate_address, 0)
+        return True
 
     def _release(self, stream: int) -> None:
         """Open the gate for the next gated copy to run (queued on raw ``stream``)."""
@@ -315,7 +340,7 @@ class Stager:
         self._gated: list[StagingBuffer] = []  # the buffers whose copies were captured behind their gate
         self._capture_values: list[torch.Tensor] = []  # their host values at capture (bounds that fit)
         self._armed: list[StagingBuffer] = []  # gated copies of the capture's open segment, not yet run
-        self._prepare_first = False  # a prepare recorded without gated copies: it runs before the launch
+        self._prepare_first = False  # a prepare that runs before the launch (not asked after it, or copies not gated)
         self._late_streak = 0  # late launch-first replays in a row (see LATE_STREAK)
         self._prepare_first_left = 0  # replays left that run prepare first after a late streak
         self.launched_first = 0  # replays that launched before prepare
@@ -531,14 +556,14 @@ class Stager:
                     "object), or give each its own buffer"
                 )
             self._buffers[buf] = spec.name
-        gated = [buf._upload(gated=spec.prepare_after_launch) for buf in written]
+        gated = [buf._stage_copy(after_launch=spec.prepare_after_launch) for buf in written]
         for buf, behind_gate in zip(written, gated):
             if behind_gate:
                 self._device = buf.device.device.index
                 self._gated.append(buf)
                 self._capture_values.append(buf.host.clone())
                 self._armed.append(buf)
-        if not all(gated) or not written:
+        if not spec.prepare_after_launch or not all(gated) or not written:
             self._prepare_first = True
 
 

@@ -10,7 +10,10 @@ nothing else (the least host time any runner of this design can take). All of th
 before the launch (``--no-prepare-after-launch``: the pieces run forms directly, which a gated form
 would not allow); last, whole calls of a second runner whose ``prepare`` runs after the launch
 (``prepare_after_launch``, the workload's default), interleaved with the first and the floor.
-A diagnostic that reaches into the runner's private state; not a bench row.
+The staging buffers are made without the gated-copy kernel (``bcg.gate``), so that the prepare-first
+form's copies are plain copies, not gated: the pieces run ``prepare`` alone in loops and launch forms
+directly, which gates would not allow. A diagnostic that reaches into the runner's private state; not
+a bench row.
 Run on a GPU: ``python benchmarks/host_path.py [T] [flash|varlen] [compile]`` (``compile``: the
 runner over the torch.compile'd regions, against ``floor-compile``).
 """
@@ -29,6 +32,7 @@ attn = sys.argv[2] if len(sys.argv) > 2 else "flash"
 compiled = "compile" in sys.argv[3:]
 argv = ["--workload", "llama", "--tokens", str(T), "--attn", attn, "--ladder-max", "0"]
 args = cli.parse_args(argv + ["--no-prepare-after-launch"])
+bcg.gate.kernel = lambda device: None  # plain copies (above); before the model makes its buffers
 dev = torch.device("cuda")
 model = llama.setup(args, dev)
 case = llama.make_case(model, args, dev, attn, T)

@@ -351,3 +351,29 @@ def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypat
         stager.prepare_launched(1, choosing=False)
     assert (stager.launched_first, stager.late_launches) == (5, 5)
     assert stager.launch_first_now()  # no streak came of them
+
+
+# -- the gated-copy kernel's build (bcg.gate) --------------------------------------------------
+
+
+@pytest.mark.parametrize(("capability", "why"), [((9, 0), "NVRTC could not compile"), ((6, 1), "needs sm_70")])
+def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capability: tuple[int, int], why: str) -> None:
+    def refuse(source: str, name: str, arch: str) -> bytes:
+        raise RuntimeError(f"NVRTC could not compile {name} for {arch}")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(bcg.cudart, "compile_cubin", refuse)
+    bcg.gate.kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="bcg"):
+            assert bcg.gate.kernel(0) is None
+            assert bcg.gate.kernel(0) is None  # asked again: the same answer, logged once
+    finally:
+        bcg.gate.kernel.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and why in warnings[0] and "stream memory operations" in warnings[0]
+
+
+def test_a_gated_copy_runs_a_warp_per_2_kib_up_to_256_threads() -> None:
+    assert [bcg.gate.threads(n) for n in (0, 36, 2048, 2049, 8 * 2048, 10**6)] == [32, 32, 32, 64, 256, 256]

@@ -30,6 +30,14 @@ def _always_launch_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)
 
 
+@pytest.fixture(autouse=True, params=["kernel", "stream memory operations"])
+def _gate_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test with both forms of the gate: bcg.gate's kernel, and the stream memory
+    operations bcg falls back to where the kernel cannot be built."""
+    if request.param != "kernel":
+        monkeypatch.setattr(bcg.gate, "kernel", lambda device: None)
+
+
 class GatedStaging(Staging):
     """Staging whose ``prepare`` can look at the stream, sleep, raise, or skip its write."""
 
