@@ -275,6 +275,13 @@ def write_value32(stream: int, ptr: int, value: int) -> None:
     _driver_call("cuStreamWriteValue32", stream, ptr, value, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
 
 
+def kernel_time_limit(device: int) -> bool:
+    """Whether kernels on ``device`` have a run-time limit (a display watchdog:
+    ``cudaDevAttrKernelExecTimeout``)."""
+    rt = runtime()
+    return bool(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrKernelExecTimeout, device)))
+
+
 def compile_cubin(source: str, name: str, arch: str) -> bytes:
     """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``);
     raises ``RuntimeError`` with NVRTC's log when it fails."""

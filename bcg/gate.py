@@ -4,11 +4,12 @@ buffer's pinned host value into its device tensor, and closes the gate (see :mod
 A graph launch pays host time for each copy and stream memory operation node it holds, and
 nothing measurable for a kernel node: on an H200 (CUDA 13), a gated copy captured as four
 nodes (``cuStreamWriteValue32`` for the arrival, ``cuStreamWaitValue32``, the copy,
-``cuStreamWriteValue32``) added about 6 us of host time to each launch and 9 us of GPU time, a
-plain copy 2.7 and 3.3, and this kernel 0.03 and 4.4 (``benchmarks/gate_cost.py``).
+``cuStreamWriteValue32``) added 6.1 us of host time to each launch and 8.8 us of GPU time, a
+plain copy 2.3 and 3.2, and this kernel 0.0 and 5.1 (``benchmarks/gate_cost.py``).
 
 The kernel is compiled with NVRTC (cuda-python) once per process and device, the first time a
-buffer is made there. Where it cannot be (no NVRTC library, a GPU older than sm_70), :func:`kernel`
+buffer is made there. Where it cannot be (no NVRTC library, a GPU older than sm_70, or one whose
+kernels have a run-time limit), :func:`kernel`
 returns ``None``, logs why once, and :mod:`bcg.staging` captures the stream memory operations
 instead.
 """
@@ -96,6 +97,9 @@ def kernel(device: int) -> Any | None:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 7:
             raise RuntimeError(f"the GPU is sm_{major}{minor}; the kernel needs sm_70 or newer")
+        if cudart.kernel_time_limit(device):
+            raise RuntimeError("its kernels have a run-time limit (a display watchdog), which a kernel "
+                               "waiting at a gate for a slow prepare could pass")
         start = time.perf_counter()
         image = cudart.compile_cubin(SOURCE, "bcg_gated_copy.cu", f"sm_{major}{minor}")
         with torch.cuda.device(device):

@@ -356,13 +356,17 @@ def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypat
 # -- the gated-copy kernel's build (bcg.gate) --------------------------------------------------
 
 
-@pytest.mark.parametrize(("capability", "why"), [((9, 0), "NVRTC could not compile"), ((6, 1), "needs sm_70")])
+@pytest.mark.parametrize(("capability", "time_limit", "why"), [
+    ((9, 0), False, "NVRTC could not compile"), ((6, 1), False, "needs sm_70"), ((9, 0), True, "run-time limit"),
+])
 def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capability: tuple[int, int], why: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capability: tuple[int, int],
+        time_limit: bool, why: str) -> None:
     def refuse(source: str, name: str, arch: str) -> bytes:
         raise RuntimeError(f"NVRTC could not compile {name} for {arch}")
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(bcg.cudart, "kernel_time_limit", lambda device: time_limit)
     monkeypatch.setattr(bcg.cudart, "compile_cubin", refuse)
     bcg.gate.kernel.cache_clear()
     try:
