@@ -148,7 +148,8 @@ def switchable(label: str) -> Iterator[None]:
 
     .. warning::
         Only kernel, memcpy and memset nodes can be disabled. A block that
-        records other nodes (events, child graphs), or in which a segment ends
+        records other nodes (events, child graphs) or a staged breakpoint's copy
+        (its gate is released at every replay), or in which a segment ends
         (a breakpoint, ``graph_break()``), makes ``label`` unswitchable for the
         whole graph: its nodes always run and ``set_enabled`` returns False.
     """
@@ -293,10 +294,16 @@ class CaptureSession(Recorder):
         graph = self._current
         # Lists the open segment's nodes twice per block: capture-time cost only.
         before = {int(n) for n in cudart.capture_nodes(self.stream_handle)} if graph is not None else set()
+        copies = self.stager.copies
         yield
         if graph is None or self._current is not graph:
             self.unswitchable.add(label)
             log.debug("bcg: switchable(%r) ran outside one segment: its nodes always run", label)
+            return
+        if self.stager.copies != copies:
+            self.unswitchable.add(label)
+            log.debug("bcg: switchable(%r) holds a staged breakpoint's copy, which every replay's prepare "
+                      "releases: its nodes always run", label)
             return
         added = [n for n in cudart.capture_nodes(self.stream_handle) if int(n) not in before]
         kinds = {cudart.node_type(n) for n in added}

@@ -282,9 +282,9 @@ def kernel_time_limit(device: int) -> bool:
     return bool(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrKernelExecTimeout, device)))
 
 
-def compile_cubin(source: str, name: str, arch: str) -> bytes:
-    """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``);
-    raises ``RuntimeError`` with NVRTC's log when it fails."""
+def compile_cubin(source: str, name: str, arch: str, *options: str) -> bytes:
+    """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``),
+    with NVRTC ``options``; raises ``RuntimeError`` with NVRTC's log when it fails."""
     from cuda.bindings import nvrtc
 
     def ok(result: Any) -> Any:
@@ -295,8 +295,8 @@ def compile_cubin(source: str, name: str, arch: str) -> bytes:
 
     program = ok(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
     try:
-        options = [f"--gpu-architecture={arch}".encode()]
-        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        flags = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
+        err, = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
             ok(nvrtc.nvrtcGetProgramLog(program, log))

@@ -34,10 +34,11 @@ NAME = "bcg_gated_copy"
 # to 4 16-byte loads and one single byte in flight each (16-byte loads only where both addresses
 # are 16-byte aligned, as a StagingBuffer's are); after the barrier, every load has returned its
 # value, and a release store closes the gate (ordered after the arrival, so an arrival never lands
-# after it).
+# after it). With ``close`` 0 it leaves the gate open (see capture()).
 SOURCE = r"""
 extern "C" __global__ void bcg_gated_copy(unsigned int* gate, const unsigned char* src,
-                                          unsigned char* dst, unsigned long long nbytes) {
+                                          unsigned char* dst, unsigned long long nbytes,
+                                          unsigned long long close) {
   if (threadIdx.x == 0) {
     asm volatile("st.relaxed.sys.u32 [%0], %1;" :: "l"(gate + 1), "r"(1u) : "memory");
     for (;;) {
@@ -80,7 +81,7 @@ extern "C" __global__ void bcg_gated_copy(unsigned int* gate, const unsigned cha
     dst[i] = static_cast<unsigned char>(byte);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (close && threadIdx.x == 0) {
     asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(gate), "r"(0u) : "memory");
   }
 }
@@ -101,7 +102,7 @@ def kernel(device: int) -> Any | None:
             raise RuntimeError("its kernels have a run-time limit (a display watchdog), which a kernel "
                                "waiting at a gate for a slow prepare could pass")
         start = time.perf_counter()
-        image = cudart.compile_cubin(SOURCE, "bcg_gated_copy.cu", f"sm_{major}{minor}")
+        image = cudart.compile_cubin(SOURCE, "bcg_gated_copy.cu", f"sm_{major}{minor}", "--maxrregcount=64")
         with torch.cuda.device(device):
             function = cudart.load_function(image, NAME)
         log.debug("bcg: built the gated-copy kernel for sm_%d%d in %.0f ms", major, minor,
@@ -116,12 +117,26 @@ def kernel(device: int) -> Any | None:
         return None
 
 
+#: Values of more bytes are copied by a copy node between two of these kernels (the first waits at
+#: the gate, the second closes it): one block moves 64 KiB per PCIe round trip, a copy engine more
+#: (on an H200, 1 MiB took the kernel about 4 times as long as ``cudaMemcpyAsync``). The copy node
+#: costs each launch about 2 us of host time.
+KERNEL_COPY_MAX = 64 * 1024
+
+
 def threads(nbytes: int) -> int:
-    """The block size for a copy of ``nbytes``: a warp per 4 x 16 x 32 bytes, 32 to 256 threads."""
-    return min(256, 32 * max(1, -(-nbytes // 2048)))
+    """The block size for a copy of ``nbytes``: a warp per 4 x 16 x 32 bytes, 32 to 1024 threads."""
+    return min(1024, 32 * max(1, -(-nbytes // 2048)))
 
 
-def launch(function: Any, stream: int, gate: int, src: int, dst: int, nbytes: int) -> None:
-    """Launch (capture, when capturing) the gated copy of ``nbytes`` from pinned host memory at
-    device address ``src`` to device memory ``dst``, behind the two flags at device address ``gate``."""
-    cudart.launch_kernel(function, threads(nbytes), stream, (gate, src, dst, nbytes))
+def capture(function: Any, stream: int, gate: int, src: int, src_device: int, dst: int, nbytes: int) -> None:
+    """Capture (launch, when not capturing) the gated copy on ``stream``: ``nbytes`` from pinned host
+    memory ``src`` (``src_device``: its device address) to device memory ``dst``, behind the two
+    flags at device address ``gate``. One kernel up to :data:`KERNEL_COPY_MAX` bytes, else the
+    kernel waiting (the gate left open), a copy node, and the kernel closing the gate."""
+    if nbytes <= KERNEL_COPY_MAX:
+        cudart.launch_kernel(function, threads(nbytes), stream, (gate, src_device, dst, nbytes, 1))
+        return
+    cudart.launch_kernel(function, 32, stream, (gate, 0, 0, 0, 0))
+    cudart.copy_host_to_device(dst, src, nbytes, stream)
+    cudart.launch_kernel(function, 32, stream, (gate, 0, 0, 0, 1))  # the gate is still open: it closes it

@@ -31,9 +31,10 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
 * Outside bcg (plain eager calls) the function runs with the real metadata;
   ``prepare`` and ``fits`` are not called.
 
-Each copy is captured behind a *gate*, a pinned flag of the buffer: one
-kernel (:mod:`bcg.gate`) waits until the flag says the value is written,
-copies it, and clears the flag. A replay sets the flags once ``prepare`` has
+Each copy of a buffer a ``prepare`` wrote is captured behind a *gate*, a
+pinned flag of the buffer: one kernel (:mod:`bcg.gate`; over 64 KiB, a copy
+node between two) waits until the flag says the value is written, copies it,
+and clears the flag. A replay sets the flags once ``prepare`` has
 written. :meth:`StagingBuffer.write` first waits until the previous replay's
 copy has cleared its flag, so a replay queued behind others never reads a
 value meant for a later one; the host blocks only when the queue is so deep
@@ -252,8 +253,8 @@ class StagingBuffer:
             self._gate_flag = self._gate.numpy()
         if self._gated_copy is not None:
             # No event behind a gate: a write made after the launch would wait on this replay's.
-            gate.launch(self._gated_copy, handle, self._gate_address, cudart.host_device_pointer(self.host.data_ptr()),
-                        self._device_tensor.data_ptr(), nbytes)
+            gate.capture(self._gated_copy, handle, self._gate_address, self.host.data_ptr(),
+                         cudart.host_device_pointer(self.host.data_ptr()), self._device_tensor.data_ptr(), nbytes)
             return True
         if _ORDERED_STORES:  # where replays may launch first: the arrival (see Stager.prepare_launched)
             cudart.write_value32(handle, self._gate_address + 4, 1)
@@ -361,6 +362,12 @@ class Stager:
 
     def __bool__(self) -> bool:
         return bool(self._prepares)
+
+    @property
+    def copies(self) -> int:
+        """The buffer copies recorded so far (each staged buffer's once): a block that records
+        one must run at every replay (see :meth:`bcg.capture.switchable`)."""
+        return len(self._buffers)
 
     def misfit(self, live: Any) -> str | None:
         """``None`` when every staged breakpoint fits ``live``, else the reason (``"<name> does not fit"``)."""

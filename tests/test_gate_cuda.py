@@ -31,39 +31,50 @@ def _flags(gate_value: int) -> tuple[torch.Tensor, int]:
     return flags, cudart.host_device_pointer(flags.data_ptr())
 
 
+def _capture(flags_address: int, host: torch.Tensor, device: torch.Tensor, nbytes: int,
+             src_offset: int = 0, dst_offset: int = 0) -> None:
+    """The gated copy of ``nbytes`` from ``host`` to ``device`` (at those byte offsets), launched now."""
+    gate.capture(gate.kernel(torch.cuda.current_device()), torch.cuda.current_stream().cuda_stream, flags_address,
+                 host.data_ptr() + src_offset, cudart.host_device_pointer(host.data_ptr()) + src_offset,
+                 device.data_ptr() + dst_offset, nbytes)
+
+
+KERNEL_MAX = gate.KERNEL_COPY_MAX  # one kernel up to this many bytes, a copy node between two past it
+
+
 @pytest.mark.parametrize(("nbytes", "src_offset", "dst_offset"), [
-    (0, 0, 0), (1, 0, 0), (36, 0, 0), (50, 1, 3), (4099, 16, 32), (300_007, 0, 0), (300_007, 5, 0),
+    (0, 0, 0), (1, 0, 0), (36, 0, 0), (50, 1, 3), (4099, 16, 32), (KERNEL_MAX, 0, 0), (KERNEL_MAX - 7, 5, 0),
+    (KERNEL_MAX + 1, 0, 0), (300_007, 5, 3),
 ])
-def test_the_kernel_copies_every_byte_at_any_alignment(nbytes: int, src_offset: int, dst_offset: int) -> None:
-    function = gate.kernel(torch.cuda.current_device())
+def test_the_gated_copy_copies_every_byte_at_any_alignment(nbytes: int, src_offset: int, dst_offset: int) -> None:
     host = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8).pin_memory()
     device = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")
     flags, flags_address = _flags(1)  # open: the copy runs at once
-    gate.launch(function, torch.cuda.current_stream().cuda_stream, flags_address,
-                cudart.host_device_pointer(host.data_ptr()) + src_offset, device.data_ptr() + dst_offset, nbytes)
+    _capture(flags_address, host, device, nbytes, src_offset, dst_offset)
     torch.cuda.synchronize()
     assert torch.equal(device[dst_offset:dst_offset + nbytes].cpu(), host[src_offset:src_offset + nbytes])
     assert not device[:dst_offset].any() and not device[dst_offset + nbytes:].any()  # nothing else written
     assert flags.tolist() == [0, 1]  # gate closed, arrival set
 
 
-def test_the_kernel_waits_at_a_closed_gate_and_reads_what_was_written_before_it_opened() -> None:
-    function = gate.kernel(torch.cuda.current_device())
-    host = torch.zeros(1000, dtype=torch.int32).pin_memory()
-    device = torch.zeros(1000, dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("numel", [1000, KERNEL_MAX // 4 + 1000])
+def test_the_gated_copy_waits_at_a_closed_gate_and_reads_what_was_written_before_it_opened(numel: int) -> None:
+    host = torch.zeros(numel, dtype=torch.int32).pin_memory()
+    device = torch.zeros(numel, dtype=torch.int32, device="cuda")
     flags, flags_address = _flags(0)
     stream = torch.cuda.current_stream()
-    gate.launch(function, stream.cuda_stream, flags_address, cudart.host_device_pointer(host.data_ptr()),
-                device.data_ptr(), 4000)
-    deadline = time.monotonic() + 5
-    while flags[1].item() == 0 and time.monotonic() < deadline:  # the arrival: the GPU is at the gate
-        time.sleep(1e-4)
-    assert flags[1].item() == 1
-    time.sleep(0.01)
-    assert not stream.query()  # still waiting
-    values = torch.randint(-2**31, 2**31 - 1, (1000,), dtype=torch.int32)
-    host.copy_(values)  # written while the kernel waits, then released
-    flags[0] = 1
+    _capture(flags_address, host, device, numel * 4)
+    values = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32)
+    try:
+        deadline = time.monotonic() + 5
+        while flags[1].item() == 0 and time.monotonic() < deadline:  # the arrival: the GPU is at the gate
+            time.sleep(1e-4)
+        assert flags[1].item() == 1
+        time.sleep(0.01)
+        assert not stream.query()  # still waiting
+        host.copy_(values)  # written while the copy waits, then released
+    finally:
+        flags[0] = 1  # (released whatever happened: a copy left waiting would hang the next tests)
     stream.synchronize()
     assert torch.equal(device.cpu(), values)
     assert flags[0].item() == 0
@@ -184,6 +195,35 @@ def test_without_the_kernel_and_without_prepare_after_launch_the_copy_is_not_gat
     graph.replay(live)
     for out, v in zip(outs, live.host):
         assert torch.equal(out.cpu(), v)
+
+
+def test_a_switchable_block_holding_a_staged_copy_always_runs(gate_form: str) -> None:
+    # the copy must run at every replay (its gate is opened for it): a group holding it is not skipped
+    staging = Buffers()
+
+    @bcg.breakpoint(name="read", mutates=("outs",), prepare=staging.prepare, fits=lambda values: True)
+    def read(outs: list[torch.Tensor]) -> None:
+        values = bcg.live()
+        sources = values.device if values.device is not None else [v.to("cuda") for v in values.host]
+        for out, src in zip(outs, sources):
+            out.copy_(src)
+
+    outs = [torch.zeros(shape, dtype=dtype, device="cuda") for shape, dtype in SHAPES]
+
+    def forward(outs: list[torch.Tensor]) -> torch.Tensor:
+        with bcg.switchable("s"):
+            read(outs)
+        return outs[2].float().sum()
+
+    rng = random.Random(15)
+    graph = bcg.make_graph(forward, outs, live=Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES)))
+    assert graph.set_enabled("s", False) is False  # the group always runs
+    for _ in range(4):
+        live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+        graph.replay(live)
+        for out, v in zip(outs, live.host):
+            assert torch.equal(out.cpu(), v)
+    assert not any(buf.gate_open for buf in staging.buffers)
 
 
 def test_with_the_kernel_every_staged_copy_is_gated() -> None:

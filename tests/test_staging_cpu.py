@@ -362,7 +362,7 @@ def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypat
 def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capability: tuple[int, int],
         time_limit: bool, why: str) -> None:
-    def refuse(source: str, name: str, arch: str) -> bytes:
+    def refuse(source: str, name: str, arch: str, *options: str) -> bytes:
         raise RuntimeError(f"NVRTC could not compile {name} for {arch}")
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -379,5 +379,6 @@ def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
     assert len(warnings) == 1 and why in warnings[0] and "stream memory operations" in warnings[0]
 
 
-def test_a_gated_copy_runs_a_warp_per_2_kib_up_to_256_threads() -> None:
-    assert [bcg.gate.threads(n) for n in (0, 36, 2048, 2049, 8 * 2048, 10**6)] == [32, 32, 32, 64, 256, 256]
+def test_a_gated_copy_runs_a_warp_per_2_kib_up_to_1024_threads() -> None:
+    sizes = (0, 36, 2048, 2049, 8 * 2048, bcg.gate.KERNEL_COPY_MAX)
+    assert [bcg.gate.threads(n) for n in sizes] == [32, 32, 32, 64, 256, 1024]
