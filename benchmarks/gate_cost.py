@@ -6,6 +6,9 @@ of 9 int32 (a ``cu_seqlens`` of 8 slots) spread through it, each with its own bu
 
 Forms: ``copy`` (a ``cudaMemcpyAsync`` node), ``memop gate`` (arrival write, wait, copy, write: the
 stream memory operations bcg falls back to), ``gate kernel`` (``bcg.gate``'s kernel: what bcg captures).
+Last, larger values (4 KiB to 1 MiB): one gated copy (``bcg.gate.capture``: one kernel up to 64 KiB,
+else a copy node between two kernels) against one ``cudaMemcpyAsync``, each launched eagerly on an
+open gate (not in a graph: the GPU times include each launch's latency).
 
 Run on a GPU: ``python benchmarks/gate_cost.py [N] [K] [rounds]``.
 """
@@ -113,7 +116,7 @@ for nbytes in (4096, gate.KERNEL_COPY_MAX, gate.KERNEL_COPY_MAX + 16, 1 << 20):
     for _ in range(50):
         for form, out in (("gated", gated), ("plain", plain)):
             torch.cuda.synchronize()
-            flags[0] = 1
+            flags[:] = torch.tensor([int(form == "gated"), 0], dtype=torch.int32)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             if form == "gated":
@@ -123,5 +126,6 @@ for nbytes in (4096, gate.KERNEL_COPY_MAX, gate.KERNEL_COPY_MAX + 16, 1 << 20):
                 cudart.copy_host_to_device(dst.data_ptr(), src.data_ptr(), nbytes, stream)
             end.record(); end.synchronize()
             out.append(start.elapsed_time(end) * 1e3)
-    assert torch.equal(dst.cpu(), src) and flags.tolist() == [0, 1]
+            assert torch.equal(dst.cpu(), src) and flags.tolist() == ([0, 1] if form == "gated" else [0, 0])
+            dst.zero_()
     print(f"  {nbytes:8d} bytes: gated copy {statistics.median(gated):7.1f} us GPU, cudaMemcpyAsync {statistics.median(plain):7.1f}")
