@@ -247,12 +247,12 @@ class StagingBuffer:
             self._read.record(stream)
             self._read_in_graph = True
             return False
+        # No event behind a gate: a write made after the launch would wait on this replay's.
         if self._gate_flag is None:
             assert self._gate is not None
             self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
             self._gate_flag = self._gate.numpy()
         if self._gated_copy is not None:
-            # No event behind a gate: a write made after the launch would wait on this replay's.
             gate.capture(self._gated_copy, handle, self._gate_address, self.host.data_ptr(),
                          cudart.host_device_pointer(self.host.data_ptr()), self._device_tensor.data_ptr(), nbytes)
             return True
