@@ -4,6 +4,7 @@ memory operations where it cannot be built."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -114,7 +115,15 @@ class Buffers:
         return Values(values.host, tuple(buf.device for buf in self.buffers))
 
 
-def _graph(after_launch: bool, rng: random.Random) -> tuple[bcg.BreakableGraph, Buffers, list[torch.Tensor]]:
+def _live(rng: random.Random) -> Values:
+    """Fresh random values for every buffer."""
+    return Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+
+
+def _graph(after_launch: bool, rng: random.Random,
+           switchable: str | None = None) -> tuple[bcg.BreakableGraph, Buffers, list[torch.Tensor]]:
+    """A graph whose staged breakpoint copies every buffer into outputs (inside ``bcg.switchable(switchable)``
+    when given), with its staging and outputs."""
     staging = Buffers()
 
     @bcg.breakpoint(name="read", mutates=("outs",), prepare=staging.prepare, fits=lambda values: True,
@@ -128,11 +137,11 @@ def _graph(after_launch: bool, rng: random.Random) -> tuple[bcg.BreakableGraph, 
     outs = [torch.zeros(shape, dtype=dtype, device="cuda") for shape, dtype in SHAPES]
 
     def forward(outs: list[torch.Tensor]) -> torch.Tensor:
-        read(outs)
+        with bcg.switchable(switchable) if switchable is not None else contextlib.nullcontext():
+            read(outs)
         return outs[2].float().sum()  # segment work after the staged step
 
-    live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
-    graph = bcg.make_graph(forward, outs, live=live)
+    graph = bcg.make_graph(forward, outs, live=_live(rng))
     return graph, staging, outs
 
 
@@ -152,7 +161,7 @@ def test_staged_copies_of_every_dtype_and_size_are_bit_exact(gate_form: str, aft
     assert graph.stats().staged == ("read",)
     assert all(buf.gate_open is False for buf in staging.buffers)
     for _ in range(20):
-        live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+        live = _live(rng)
         graph.replay(live)
         for out, v in zip(outs, live.host):
             assert torch.equal(out.cpu(), v)
@@ -174,7 +183,7 @@ def test_replays_queued_behind_a_busy_gpu_read_their_own_values(gate_form: str, 
     for _ in range(2):
         torch.cuda._sleep(50_000_000)  # tens of ms: the host runs ahead, replays queue up
         for _ in range(10):
-            live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+            live = _live(rng)
             graph.replay(live)
             for a, out, e, v in zip(acc, outs, expected, live.host):
                 a.add_(out.double())  # queued after the replay, before the next
@@ -189,7 +198,7 @@ def test_without_the_kernel_and_without_prepare_after_launch_the_copy_is_not_gat
     monkeypatch.setattr(gate, "kernel", lambda device: None)
     rng = random.Random(13)
     graph, staging, outs = _graph(False, rng)
-    live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+    live = _live(rng)
     graph.prepare_staged(live)
     assert not any(buf.gate_open for buf in staging.buffers)  # a plain copy: no gate to open
     graph.replay(live)
@@ -199,27 +208,11 @@ def test_without_the_kernel_and_without_prepare_after_launch_the_copy_is_not_gat
 
 def test_a_switchable_block_holding_a_staged_copy_always_runs(gate_form: str) -> None:
     # the copy must run at every replay (its gate is opened for it): a group holding it is not skipped
-    staging = Buffers()
-
-    @bcg.breakpoint(name="read", mutates=("outs",), prepare=staging.prepare, fits=lambda values: True)
-    def read(outs: list[torch.Tensor]) -> None:
-        values = bcg.live()
-        sources = values.device if values.device is not None else [v.to("cuda") for v in values.host]
-        for out, src in zip(outs, sources):
-            out.copy_(src)
-
-    outs = [torch.zeros(shape, dtype=dtype, device="cuda") for shape, dtype in SHAPES]
-
-    def forward(outs: list[torch.Tensor]) -> torch.Tensor:
-        with bcg.switchable("s"):
-            read(outs)
-        return outs[2].float().sum()
-
     rng = random.Random(15)
-    graph = bcg.make_graph(forward, outs, live=Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES)))
+    graph, staging, outs = _graph(False, rng, switchable="s")
     assert graph.set_enabled("s", False) is False  # the group always runs
     for _ in range(4):
-        live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+        live = _live(rng)
         graph.replay(live)
         for out, v in zip(outs, live.host):
             assert torch.equal(out.cpu(), v)
@@ -229,7 +222,7 @@ def test_a_switchable_block_holding_a_staged_copy_always_runs(gate_form: str) ->
 def test_with_the_kernel_every_staged_copy_is_gated() -> None:
     rng = random.Random(14)
     graph, staging, outs = _graph(False, rng)
-    live = Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
+    live = _live(rng)
     graph.prepare_staged(live)  # prepare, then the gates open ...
     assert all(buf.gate_open for buf in staging.buffers)
     graph.settle_staged()  # ... no launch follows: closed again
