@@ -271,6 +271,113 @@ def test_reference_cycles_through_a_plan_are_collected(_native) -> None:  # noqa
     assert ref() is None
 
 
+# -- replay_gated: a launch-first staged replay in one call (callables stand in for launches) ---------
+
+
+class _Gate(ctypes.Structure):
+    """A StagingBuffer's pinned gate as replay_gated reads it: int32 gate, int32 arrival, int64 stream."""
+
+    _fields_ = [("gate", ctypes.c_int32), ("arrival", ctypes.c_int32), ("stream", ctypes.c_int64)]
+
+
+def _gates(n: int) -> tuple[list[_Gate], tuple[int, ...]]:
+    gates = [_Gate(0, 1, 0) for _ in range(n)]  # closed, with the previous replay's arrival
+    return gates, tuple(ctypes.addressof(g) for g in gates)
+
+
+def test_replay_gated_clears_arrivals_runs_steps_then_prepares_then_opens_every_gate(_native) -> None:  # noqa: ANN001
+    gates, addresses = _gates(3)
+    log: list[object] = []
+
+    def step() -> None:  # a launch: the arrivals were cleared before it
+        log.append(("step", [g.arrival for g in gates]))
+
+    plan = _native.Plan([step, step])
+    prepares = [lambda live: log.append(("prepare a", live, [g.gate for g in gates])),
+                lambda live: log.append(("prepare b", live))]
+    live = object()
+    assert plan.replay_gated(0x5EED, -1, addresses, prepares, live) is False  # no gate reached: not late
+    assert log == [("step", [0, 0, 0]), ("step", [0, 0, 0]), ("prepare a", live, [0, 0, 0]), ("prepare b", live)]
+    assert [(g.gate, g.arrival, g.stream) for g in gates] == [(1, 0, 0x5EED)] * 3  # opened for the stream
+    assert plan.failed_step == -1 and plan.late is False
+
+
+def test_replay_gated_is_late_when_the_gpu_reached_a_gate_before_the_launches_returned(_native) -> None:  # noqa: ANN001
+    gates, addresses = _gates(2)
+
+    def reach_second_gate() -> None:
+        gates[1].arrival = 1  # the GPU, while the host still launches
+
+    plan = _native.Plan([reach_second_gate])
+    assert plan.replay_gated(7, 0, addresses, (), None) is True
+    assert plan.late is True and [g.gate for g in gates] == [1, 1]
+
+
+def test_replay_gated_does_nothing_while_a_gate_is_open(_native) -> None:  # noqa: ANN001
+    gates, addresses = _gates(2)
+    gates[1].gate = 1  # the previous replay's copy has not read its value yet
+    calls: list[str] = []
+    plan = _native.Plan([lambda: calls.append("step")])
+    assert plan.replay_gated(7, 0, addresses, [lambda live: calls.append("prepare")], None) is None
+    assert calls == [] and [(g.gate, g.arrival) for g in gates] == [(0, 1), (1, 1)]  # untouched
+    gates[1].gate = 0
+    assert plan.replay_gated(7, 0, addresses, [lambda live: calls.append("prepare")], None) is False
+    assert calls == ["step", "prepare"]
+
+
+def test_replay_gated_leaves_the_gates_closed_when_a_prepare_raises(_native) -> None:  # noqa: ANN001
+    gates, addresses = _gates(1)
+    boom = ValueError("prepare refused")
+    after: list[object] = []
+
+    def refuse(live: object) -> None:
+        gates[0].arrival = 1  # (read before the prepares: late stays False)
+        raise boom
+
+    plan = _native.Plan([lambda: None, lambda: None])
+    with pytest.raises(ValueError) as info:
+        plan.replay_gated(7, 0, addresses, [refuse, after.append], None)
+    assert info.value is boom and after == []  # the prepares after it did not run
+    assert plan.failed_step == len(plan) == 2 and plan.late is False
+    assert gates[0].gate == 0  # the caller opens it on the values staged at capture
+
+
+def test_replay_gated_stops_at_a_failing_step_before_any_prepare(_native) -> None:  # noqa: ANN001
+    gates, addresses = _gates(1)
+    prepared: list[object] = []
+    failing = [True]
+
+    def fail() -> None:
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("launch failed")
+
+    plan = _native.Plan([lambda: None, fail, lambda: None])
+    with pytest.raises(RuntimeError, match="launch failed"):
+        plan.replay_gated(7, 0, addresses, [prepared.append], None)
+    assert plan.failed_step == 1 and prepared == [] and gates[0].gate == 0
+    assert plan.replay_gated(7, 0, addresses, [prepared.append], 3) is False  # replayable; failed_step reset
+    assert plan.failed_step == -1 and prepared == [3]
+
+
+def test_replay_gated_arguments_are_checked(_native) -> None:  # noqa: ANN001
+    plan = _native.Plan([lambda: None])
+    gates, addresses = _gates(1)
+    with pytest.raises(TypeError, match="5 positional"):
+        plan.replay_gated(0, 0, addresses, ())
+    with pytest.raises(TypeError, match="gates must be a tuple"):
+        plan.replay_gated(0, 0, list(addresses), (), None)
+    with pytest.raises(ValueError, match="8-byte aligned host address"):
+        plan.replay_gated(0, 0, (addresses[0] + 4,), (), None)
+    with pytest.raises(ValueError, match="8-byte aligned host address"):
+        plan.replay_gated(0, 0, (0,), (), None)
+    with pytest.raises(TypeError, match="prepares must be a list or tuple"):
+        plan.replay_gated(0, 0, addresses, 5, None)
+    with pytest.raises(ValueError, match="at most 64 gates"):
+        plan.replay_gated(0, 0, addresses * 65, (), None)
+    assert gates[0].gate == 0  # nothing was opened by a refused call
+
+
 # -- graph launches need the driver ------------------------------------------------------------
 
 
