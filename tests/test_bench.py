@@ -513,6 +513,19 @@ def test_paired_ratio_cancels_drift_shared_by_a_round() -> None:
     assert paired_ratio([], ref) is None
 
 
+def test_paired_difference_cancels_drift_shared_by_a_round() -> None:
+    """Per round, block median minus the reference's block median; the median of those."""
+    from bcg.bench.timing import paired_difference
+
+    drift = [0.0, 40.0, 3.0, 60.0]  # a slow host adds to every call of a round alike
+    ref = [7.0 + d for d in drift for _ in range(5)]
+    ours = [19.0 + d for d in drift for _ in range(5)]
+    ours[7] = 500.0  # one outlier in a block
+    assert paired_difference(ours, ref, block=5) == pytest.approx(12.0)
+    assert paired_difference(ours[:12], ref, block=5) == pytest.approx(12.0)  # a shorter last block
+    assert paired_difference([], ref) is None
+
+
 def test_length_streams_repeat_as_named() -> None:
     fixed = llama.length_stream("fixed", 128, 4, seed=0)
     assert {fixed() for _ in range(5)} == {tuple(llama.request_lengths(128, 4, 0))}

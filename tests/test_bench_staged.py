@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 
 import bcg
-from bcg.bench import cli, modes, registry, report
+from bcg.bench import cli, modes, registry, report, timing
 from bcg.bench.workloads import llama
 
 
@@ -189,17 +190,10 @@ def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
 # -- row measures -----------------------------------------------------------------------------------------
 
 
-def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+def test_runner_measures_inline_fraction_over_the_timed_replays() -> None:
     stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1},
              "launched_first": 4, "late_launches": 0}
-    calls: list[int] = []
-
-    def run() -> torch.Tensor:
-        calls.append(1)
-        return torch.zeros(1)
-
-    start = modes._replay_measures(run, lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])},
+    start = modes._runner_measures(lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])},
                                    staged=True)
     stop = start()
     stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3},  # the timed replays
@@ -208,8 +202,7 @@ def test_replay_measures_inline_fraction_over_the_timed_replays(monkeypatch: pyt
     assert out["inline_fraction"] == 0.75  # 6 inline of 8
     assert out["launch_first_fraction"] == 0.5 and out["late_fraction"] == pytest.approx(1 / 3)  # 3 of 6, 1 of 3
     assert out["staged_fallbacks"] == {"too many requests": 2}
-    assert out["host_us_per_replay"] > 0 and len(calls) == modes.HOST_CALLS
-    assert set(modes._replay_measures(run)()()) == {"host_us_per_replay"}  # not staged: host time only
+    assert "host_us_per_replay" not in out  # host time is sampled by the bench, interleaved (cli._measure_case)
 
 
 def test_measure_runs_around_the_timed_replays() -> None:
@@ -250,5 +243,59 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-10:] == ["host", "us", "inline", "1st", "late", "hit", "stitch", "capts", "cache", "MiB"]
-    assert line.split()[-8:] == ["1.5", "0.50", "-", "-", "-", "-", "-", "-"]
+    assert head.split()[-12:] == ["host", "us", "host", "+fl", "inline", "1st", "late", "hit", "stitch", "capts",
+                                  "cache", "MiB"]
+    assert line.split()[-9:] == ["1.5", "-", "0.50", "-", "-", "-", "-", "-", "-"]
+
+
+def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_with_the_floors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Modes with Built.host get host_us_per_replay (their calls alone) and host_us_over_floor (paired with the
+    floor's calls, round by round); the host calls come after the measures stopped, interleaved."""
+    events: list[str] = []
+    clock = [0.0]  # us of host time, as each call says
+
+    def timed_ms(fn: Any, sync: Any, wait: bool = True) -> float:
+        t0 = clock[0]
+        fn()
+        return (clock[0] - t0) / 1e3
+
+    monkeypatch.setattr(timing, "timed_ms", timed_ms)
+
+    def make(name: str, us: float, host: bool) -> Any:
+        def build(case: object, ctx: object) -> registry.Built:
+            eager = modes.build_eager(case, ctx)  # type: ignore[arg-type]
+
+            def run() -> torch.Tensor:
+                events.append(name)
+                clock[0] += us * (3 if len(events) % 7 == 0 else 1)  # a slow call now and then
+                return eager.run()
+
+            return registry.Built(run=run, host=host, measure=lambda: (lambda: {"stopped_after": len(events)}))
+
+        return registry.ModeSpec(name, build, False, "", lambda: None)
+
+    monkeypatch.setitem(cli.MODES, "floor", make("floor", 8.0, True))
+    monkeypatch.setitem(cli.MODES, "test-runner", make("test-runner", 20.0, True))
+    monkeypatch.setitem(cli.MODES, "test-eager", make("test-eager", 50.0, False))
+    args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
+    case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
+    ref = cli._reference(case, lambda: None)
+
+    def fail(mode: str, exc: Exception) -> None:
+        raise exc
+
+    rows = {r["mode"]: r for r in cli._measure_case(case, ["floor", "test-runner", "test-eager"], lambda c: ref,
+                                                      registry.BuildContext(), 5, 0, lambda: None, failed=fail,
+                                                      skipped=fail, progress=lambda step: None)}
+    assert rows["floor"]["host_us_per_replay"] == pytest.approx(8.0)
+    assert rows["test-runner"]["host_us_per_replay"] == pytest.approx(20.0)
+    assert rows["test-runner"]["host_us_over_floor"] == pytest.approx(12.0)
+    assert rows["floor"]["host_us_over_floor"] == 0.0
+    assert "host_us_per_replay" not in rows["test-eager"]
+    timed = 3 + 3 * 5  # first replays, then 5 timed calls each
+    assert all(r["stopped_after"] == timed for r in rows.values())  # measures stop before the host calls
+    host_calls = events[timed:timed + 2 * cli.HOST_CALLS]
+    assert host_calls.count("floor") == host_calls.count("test-runner") == cli.HOST_CALLS
+    assert all(len(set(host_calls[i:i + 5])) == 1 for i in range(0, len(host_calls), 5))  # blocks of 5 ...
+    assert set(host_calls[:10]) == {"floor", "test-runner"}  # ... in rounds of both modes

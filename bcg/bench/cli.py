@@ -7,7 +7,12 @@ in rounds: each round runs every mode once as a short block (``--warmup``
 untimed, then up to 5 timed replays) in a random order (see
 :func:`bcg.bench.timing.sample_interleaved`); then, mode by mode, write fresh
 random inputs into the static input buffers, replay once more and compare with
-an eager reference on those inputs (``rel_err``). A point's modes are freed
+an eager reference on those inputs (``rel_err``). Modes that time their host path
+(``Built.host``: the floors and bcg's) are then called :data:`HOST_CALLS` more
+times each, interleaved the same way, the GPU idle before each call, timed until
+the call returns: ``host_us_per_replay`` is the median, ``host_us_over_floor``
+the median over rounds of the difference to the floor's in the same round (the
+host's drift cancels, as in the paired ratios). A point's modes are freed
 before the next point is built.
 """
 
@@ -18,6 +23,7 @@ import contextlib
 import gc
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +37,11 @@ from bcg.bench import report
 from bcg.bench.argtypes import int_in, nonnegative_int, positive_int
 from bcg.bench.case import Case
 from bcg.bench.registry import BuildContext, Built, NotApplicable, forward_of, load_modes, skip_reason
-from bcg.bench.timing import paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
+from bcg.bench.timing import paired_difference, paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
 from bcg.bench.workloads import WORKLOADS
 
 MODES = load_modes()  # every registered mode, in run order
+HOST_CALLS = 30  # host-timed calls of each mode with Built.host (6 rounds of 5)
 
 NO_CUDA_MESSAGE = (
     "bcg-bench: CUDA is not available here, and graph timings need an NVIDIA GPU.\n"
@@ -278,16 +285,31 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
                 failed(mode, exc)
                 built.pop(mode).close()
         samples = sample_interleaved({m: b.run for m, b in built.items()}, sync, iters, warmup, on_error=failed)
-        for mode, b in built.items():
+        measured: dict[str, dict[str, Any]] = {}
+        for mode in built:
             if len(samples[mode]) < iters:
                 continue  # failed while timed
             try:
-                measured = stops[mode]() if mode in stops else {}
+                measured[mode] = stops[mode]() if mode in stops else {}
+            except Exception as exc:
+                failed(mode, exc)
+        host_failed: list[str] = []
+        host = sample_interleaved({m: built[m].run for m in measured if built[m].host}, sync, HOST_CALLS,
+                                  on_error=lambda m, exc: (host_failed.append(m), failed(m, exc)), wait=False)
+        for mode, fields in measured.items():
+            if mode in host_failed:
+                continue
+            if mode in host:
+                fields["host_us_per_replay"] = statistics.median(host[mode]) * 1e3
+                if "floor" in host:
+                    fields["host_us_over_floor"] = paired_difference(host[mode], host["floor"]) * 1e3  # type: ignore[operator]
+            b = built[mode]
+            try:
                 err = _check(case, b, reference(MODES[mode].compiled), sync)
             except Exception as exc:
                 failed(mode, exc)
                 continue
-            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters, measured))
+            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters, fields))
     finally:
         for b in built.values():
             b.close()

@@ -10,7 +10,6 @@ being closed, and must replay correctly after any other mode's replay.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +26,7 @@ from bcg.bench.registry import (
     forward_of,
     register_mode,
 )
-from bcg.bench.timing import compiling_call, sample_ms
-
-HOST_CALLS = 20  # calls timed for a row's host_us_per_replay
+from bcg.bench.timing import compiling_call
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -50,16 +47,12 @@ def _native_reason() -> str | None:
     return None if has_native_executor() else "no native executor in this install: the 'bcg' row is the python executor"
 
 
-def _replay_measures(
-    run: Callable[[], torch.Tensor], runner_stats: Callable[[], dict[str, Any]] | None = None,
-    staged: bool = False, keyed: bool = False,
+def _runner_measures(
+    runner_stats: Callable[[], dict[str, Any]], staged: bool = False, keyed: bool = False,
 ) -> Callable[[], Callable[[], dict[str, Any]]]:
-    """A ``Built.measure`` for a mode's rows (the floors' and bcg's).
+    """A ``Built.measure`` for a runner mode's rows, from its ``stats`` over the timed replays.
 
     Arguments:
-        run: the mode's ``Built.run``. After the timed replays, ``host_us_per_replay`` is
-            the median host time of :data:`HOST_CALLS` calls of it (``perf_counter``
-            around the call alone, the GPU idle before each, no synchronize inside).
         runner_stats: the runner's ``stats``. ``staged``: adds ``inline_fraction`` (its inline
             replays / graph calls over the timing rounds, their warm-up calls included),
             ``launch_first_fraction`` (replays that launched before ``prepare`` / inline
@@ -72,25 +65,22 @@ def _replay_measures(
     """
 
     def start() -> Callable[[], dict[str, Any]]:
-        before = runner_stats() if runner_stats is not None else None
+        before = runner_stats()
 
         def stop() -> dict[str, Any]:
             out: dict[str, Any] = {}
-            if runner_stats is not None and before is not None:
-                after = runner_stats()
-                if staged:
-                    calls = after["graph_calls"] - before["graph_calls"]
-                    inline = after["inline_replays"] - before["inline_replays"]
-                    out["inline_fraction"] = inline / calls if calls else None
-                    first = after["launched_first"] - before["launched_first"]
-                    out["launch_first_fraction"] = first / inline if inline else None
-                    out["late_fraction"] = (after["late_launches"] - before["late_launches"]) / first if first else None
-                    fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
-                    out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
-                if keyed:
-                    out.update(_variant_measures(before, after))
-            samples = sample_ms(run, torch.cuda.synchronize, HOST_CALLS, wait=False)
-            out["host_us_per_replay"] = statistics.median(samples) * 1e3
+            after = runner_stats()
+            if staged:
+                calls = after["graph_calls"] - before["graph_calls"]
+                inline = after["inline_replays"] - before["inline_replays"]
+                out["inline_fraction"] = inline / calls if calls else None
+                first = after["launched_first"] - before["launched_first"]
+                out["launch_first_fraction"] = first / inline if inline else None
+                out["late_fraction"] = (after["late_launches"] - before["late_launches"]) / first if first else None
+                fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
+                out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
+            if keyed:
+                out.update(_variant_measures(before, after))
             return out
 
         return stop
@@ -149,7 +139,7 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
         pool_bytes=stats.pool_bytes,
         info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=graph.reset,
-        measure=_replay_measures(run),
+        host=True,
     )
 
 
@@ -217,7 +207,8 @@ def _bcg_runner(
         pool_bytes=runner.stats()["pool_bytes"],
         info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
         close=runner.reset,
-        measure=_replay_measures(run, runner.stats, staged=staged, keyed=keyed),
+        measure=_runner_measures(runner.stats, staged=staged, keyed=keyed) if staged or keyed else None,
+        host=True,
         check=check,
     )
 
@@ -275,7 +266,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torc
         pool_bytes=pool_bytes(pool, torch.cuda.current_device()),
         info=info,
         close=close,
-        measure=_replay_measures(run),  # its host time per replay, beside the runners'
+        host=True,  # its host time per replay, beside the runners'
     )
 
 

@@ -47,6 +47,9 @@ class Built:
     # called right before the timed replays; the function it returns is called right after
     # them (before the check replay) and gives extra row fields measured over them
     measure: Callable[[], Callable[[], dict[str, Any]]] | None = None
+    # time ``run``'s host path after the timed replays, interleaved with the other such modes
+    # of the point (rows get host_us_per_replay and host_us_over_floor; see bcg.bench.cli)
+    host: bool = False
     # the replay ``rel_err`` is measured on, on the case's current inputs and its own live
     # metadata (None: ``run``; modes whose ``run`` draws other metadata each call, or reads
     # inputs from buffers of its own, need it)

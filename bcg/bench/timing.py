@@ -60,6 +60,7 @@ def sample_interleaved(
     on_error: Callable[[str, Exception], None] | None = None,
     block: int = BLOCK,
     seed: int = 0,
+    wait: bool = True,
 ) -> dict[str, list[float]]:
     """``iters`` :func:`timed_ms` samples of each function, taken in rounds of short blocks (ms per name).
 
@@ -72,7 +73,8 @@ def sample_interleaved(
     spread the machine's drift over all functions alike, where long
     back-to-back blocks favour whichever ran in the better period. A function
     that raises is passed to ``on_error`` (else the error propagates) and
-    dropped from later rounds; its samples so far are kept.
+    dropped from later rounds; its samples so far are kept. ``wait=False``:
+    each sample is the host's time until ``fn`` returns (see :func:`timed_ms`).
     """
     rng = random.Random(seed)
     active = dict(fns)
@@ -86,7 +88,7 @@ def sample_interleaved(
                 for _ in range(warmup):
                     fn()
                 for _ in range(min(block, iters - len(samples[name]))):
-                    samples[name].append(timed_ms(fn, sync))
+                    samples[name].append(timed_ms(fn, sync, wait))
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -121,6 +123,17 @@ def paired_ratio(samples: list[float], reference: list[float], block: int = BLOC
         for i in range(0, rounds, block)
     ]
     return statistics.median(quotients) if quotients else None
+
+
+def paired_difference(samples: list[float], reference: list[float], block: int = BLOCK) -> float | None:
+    """:func:`paired_ratio`'s difference: the median over rounds of ``samples``' block median minus
+    ``reference``'s in the same round; None when there is no common round."""
+    rounds = min(len(samples), len(reference))
+    differences = [
+        statistics.median(samples[i:i + block]) - statistics.median(reference[i:i + block])
+        for i in range(0, rounds, block)
+    ]
+    return statistics.median(differences) if differences else None
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
