@@ -28,8 +28,7 @@ log = logging.getLogger("bcg")
 NAME = "bcg_gated_copy"
 
 # gate[0]: 1 once the host wrote the value (StagingBuffer._release), set back to 0 here once it is
-# read; gate[1]: the arrival, set to 1 when the GPU reaches the gate (read as a launch-first
-# replay's launch returns; the host's words after these two are not touched here).
+# read; gate[1]: the arrival, set to 1 when the GPU reaches the gate (Stager.prepare_launched).
 # Thread 0 waits (an acquire at system scope: the host's value, written before the flag, is what
 # the loads below see); then every thread copies its share with system-scope (volatile) loads, up
 # to 4 16-byte loads and one single byte in flight each (16-byte loads only where both addresses

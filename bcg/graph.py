@@ -331,7 +331,7 @@ class BreakableGraph:
         token = set_live(live)
         self._replaying += 1
         failed = True
-        launched_first = in_one_call = False
+        launched_first = False
         profiled = _profiler._is_profiler_enabled
         try:
             if parts.guards is not None:
@@ -341,16 +341,10 @@ class BreakableGraph:
             if stager is not None:
                 if may_launch_first and (stager.launch_first_now() if launch_first is None else launch_first):
                     launched_first = True
-                    in_one_call = executor is not None and executor.runs_gated and not profiled
-                    if in_one_call:  # launch, prepare and open the gates in one native call
-                        stager.run_gated(executor, live, choosing=launch_first is None)
-                    else:
-                        stager.before_launch()  # the previous replay's copies took their values
+                    stager.before_launch()  # the previous replay's copies took their values
                 else:
                     stager.prepare(live)  # host writes; the graph copies them in
-            if in_one_call:
-                pass
-            elif executor is None:
+            if executor is None:
                 parts.rerun()  # type: ignore[misc]
             elif profiled:
                 if self.variants is not None:
@@ -364,7 +358,7 @@ class BreakableGraph:
         finally:
             self._replaying -= 1
             reset_live(token)
-            if stager is not None and not in_one_call:  # (run_gated settles its own failures)
+            if stager is not None:
                 if failed:
                     stager.settle()  # no gate left open, and no launched copy left waiting at one
                 elif launched_first:  # the graph waits at its gates for these writes

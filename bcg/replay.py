@@ -34,7 +34,6 @@ class PythonExecutor:
     """Replays a plan with a Python loop over ``step.launch``."""
 
     name = "python"
-    runs_gated = False  # no one-call staged replay (NativeExecutor.run_gated)
 
     def __init__(self, plan: Sequence[Step]) -> None:
         self._launches: tuple[Callable[[], None], ...] = tuple(step.launch for step in plan)
@@ -95,12 +94,10 @@ class NativeExecutor:
                 steps.append(step.exec_handle)
         self._native = native.module().Plan(steps)
         self._replay: Callable[..., None] = self._native.replay
-        self._replay_gated: Callable[..., bool | None] = self._native.replay_gated
         self._get_device: Callable[[], int] | None = None
         self._get_stream: Callable[[int], int] | None = None
         if self._native.launches:
             self._get_device, self._get_stream = stream_readers()
-        self.runs_gated = self._get_device is not None  # run_gated can replay it (it launches graphs)
 
     @property
     def launches(self) -> int:
@@ -116,46 +113,17 @@ class NativeExecutor:
                 device = self._get_device()
                 self._replay(self._get_stream(device), device)
         except BaseException as exc:
-            self._note_failure(exc)
+            i = self._native.failed_step
+            step = self._plan[i] if 0 <= i < len(self._plan) else None
+            if isinstance(step, BreakpointStep):
+                add_note(exc, _breakpoint_note(step))
+            elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:
+                add_note(
+                    exc,
+                    f"bcg: segment {step.index} (plan step {i}) failed to launch during a native "
+                    "replay; the steps before it ran and the ones after it did not",
+                )
             raise
-
-    def run_gated(self, gates: tuple[int, ...], prepares: Sequence[Callable[[Any], Any]], live: Any) -> bool | None:
-        """A launch-first staged replay in one C call (see :meth:`bcg.staging.Stager.run_gated`):
-        the arrivals cleared, the launches, each ``prepare(live)``, the ``gates`` opened. Returns
-        whether the GPU was at a gate when the launches returned, or None when a gate was still
-        open (nothing done).
-
-        Raises what a step or a prepare raised; :attr:`prepare_failed` tells which.
-        """
-        assert self._get_device is not None and self._get_stream is not None
-        device = self._get_device()
-        try:
-            return self._replay_gated(self._get_stream(device), device, gates, prepares, live)
-        except BaseException as exc:
-            self._note_failure(exc)
-            raise
-
-    @property
-    def prepare_failed(self) -> bool:
-        """Whether the last :meth:`run_gated` raised in a prepare, after every launch."""
-        return int(self._native.failed_step) == len(self._plan)
-
-    @property
-    def late(self) -> bool:
-        """Whether the GPU was at a gate when the last :meth:`run_gated`'s launches returned."""
-        return bool(self._native.late)
-
-    def _note_failure(self, exc: BaseException) -> None:
-        i = self._native.failed_step
-        step = self._plan[i] if 0 <= i < len(self._plan) else None
-        if isinstance(step, BreakpointStep):
-            add_note(exc, _breakpoint_note(step))
-        elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:
-            add_note(
-                exc,
-                f"bcg: segment {step.index} (plan step {i}) failed to launch during a native "
-                "replay; the steps before it ran and the ones after it did not",
-            )
 
 
 Executor = Union[PythonExecutor, NativeExecutor]

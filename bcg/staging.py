@@ -76,10 +76,7 @@ just before the gate's wait). A replay whose launch returns with an arrival
 already set is *late*; after ``LATE_STREAK`` late replays in a row, the graph
 runs ``prepare`` first for the next ``PREPARE_FIRST_REPLAYS`` replays, then
 tries launching first again. ``GraphStats.launched_first`` and
-``late_launches`` count them. With the native executor a launch-first replay
-is one C call (``bcg._native.Plan.replay_gated``: the arrivals cleared, the
-launches, the ``prepare`` functions, the gates opened); the Python executor runs
-the same steps from :meth:`Stager.before_launch` and :meth:`Stager.prepare_launched`.
+``late_launches`` count them.
 """
 
 from __future__ import annotations
@@ -161,16 +158,14 @@ class StagingBuffer:
         self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
         self._read_pending = False  # an eager upload recorded _read and write() has not seen it done
         self._read_in_graph = False  # a captured copy records _read at every replay
-        # The gate of the copies captured behind one: pinned, int32 flags [0] 1 from _release()
+        # The gate of the copies captured behind one: pinned int32 flags, [0] 1 from _release()
         # until a queued gated copy has read the value (the GPU writes 0), [1] the arrival: the
-        # GPU writes 1 when it reaches the gate, the host clears it before a launch-first replay;
-        # then the int64 raw stream of the copy the open gate is for (the layout the native
-        # executor's replay_gated reads and writes). Allocated here (pinning memory during a
-        # capture is not allowed), as is the kernel.
-        self._gate: torch.Tensor | None = torch.zeros(4, dtype=torch.int32, pin_memory=True) if cuda else None
-        self._gate_flag: Any = None  # its NumPy view (int32), once a copy is captured behind it
-        self._gate_stream: Any = None  # its NumPy int64 view: [1] the open gate's stream
+        # GPU writes 1 when it reaches the gate, the host clears it before a launch-first replay.
+        # Allocated here (pinning memory during a capture is not allowed), as is the kernel.
+        self._gate: torch.Tensor | None = torch.zeros(2, dtype=torch.int32, pin_memory=True) if cuda else None
+        self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
         self._gate_address = 0  # its device address (the captured wait and writes; the arrival 4 bytes on)
+        self._gate_stream = 0  # the stream of the copy the open gate is for (raw handle)
         # the gated-copy kernel (bcg.gate; None where it cannot be built: stream memory operations)
         self._gated_copy: Any = gate.kernel(self._device_tensor.device.index) if cuda else None
 
@@ -257,7 +252,6 @@ class StagingBuffer:
             assert self._gate is not None
             self._gate_address = cudart.host_device_pointer(self._gate.data_ptr())
             self._gate_flag = self._gate.numpy()
-            self._gate_stream = self._gate.view(torch.int64).numpy()
         if self._gated_copy is not None:
             gate.capture(self._gated_copy, handle, self._gate_address, self.host.data_ptr(),
                          cudart.host_device_pointer(self.host.data_ptr()), self._device_tensor.data_ptr(), nbytes)
@@ -271,7 +265,7 @@ class StagingBuffer:
 
     def _release(self, stream: int) -> None:
         """Open the gate for the next gated copy to run (queued on raw ``stream``)."""
-        self._gate_stream[1] = stream
+        self._gate_stream = stream
         self._gate_flag[0] = 1
 
     def _wait_for_gate(self) -> None:
@@ -286,7 +280,7 @@ class StagingBuffer:
             spins += 1
             if spins > 2000:  # a deep queue: let other threads run
                 time.sleep(2e-5)
-                if spins % 5000 == 0 and cudart.stream_idle(int(self._gate_stream[1])) and flag[0]:
+                if spins % 5000 == 0 and cudart.stream_idle(self._gate_stream) and flag[0]:
                     raise ReplayError(
                         "a StagingBuffer's gate is open but no queued copy will read it (its stream is "
                         "idle): a replay of a gated graph failed in a way bcg could not settle. Capture "
@@ -345,7 +339,6 @@ class Stager:
         self._after_launch: list[bool] = []  # each prepare's prepare_after_launch
         self._buffers: dict[StagingBuffer, str] = {}  # each buffer uploaded -> the breakpoint whose prepare wrote it
         self._gated: list[StagingBuffer] = []  # the buffers whose copies were captured behind their gate
-        self._gate_addresses: tuple[int, ...] = ()  # their gates' host addresses (NativeExecutor.run_gated)
         self._capture_values: list[torch.Tensor] = []  # their host values at capture (bounds that fit)
         self._armed: list[StagingBuffer] = []  # gated copies of the capture's open segment, not yet run
         self._prepare_first = False  # a prepare that runs before the launch (not asked after it, or copies not gated)
@@ -439,40 +432,8 @@ class Stager:
         launched kernels read metadata within their bounds), and its exception
         says so.
         """
-        self._note_launch(any(buf._arrived() for buf in self._gated), choosing)
-        try:
-            self._run_prepares(live)
-        except BaseException as exc:
-            self._prepare_raised(exc)
-            raise
-        self._open_gates()
-
-    def run_gated(self, executor: Any, live: Any, choosing: bool = True) -> None:
-        """A launch-first replay: :meth:`before_launch`, ``executor``'s launch and
-        :meth:`prepare_launched`, in one native call (``executor.runs_gated``: a
-        :class:`bcg.replay.NativeExecutor` whose plan launches graphs).
-
-        A launch that fails leaves the gates as :meth:`settle` does; a ``prepare``
-        that raises, as :meth:`prepare_launched` does.
-        """
-        try:
-            late = executor.run_gated(self._gate_addresses, self._prepares, live)
-            while late is None:  # a gate still open: the previous replay's copy has not read its value
-                self.wait_for_gates()
-                late = executor.run_gated(self._gate_addresses, self._prepares, live)
-        except BaseException as exc:
-            if not executor.prepare_failed:
-                self.settle()  # (a launch failed: nothing left waiting at a gate)
-                raise
-            self._note_launch(executor.late, choosing)
-            self._prepare_raised(exc)
-            raise
-        self._note_launch(late, choosing)
-
-    def _note_launch(self, late: bool, choosing: bool) -> None:
-        """Count a launch-first replay, ``late`` if the GPU was at a gate when its launch returned;
-        ``choosing``: the count decides the order of the next replays (see :data:`LATE_STREAK`)."""
         self.launched_first += 1
+        late = any(buf._arrived() for buf in self._gated)
         self.late_launches += late
         if choosing:
             self._late_streak = self._late_streak + 1 if late else 0
@@ -484,13 +445,15 @@ class Stager:
                         "bcg: the GPU reached a staged gate before the graph's launch returned in %d replays "
                         "in a row: running prepare before the launch for the next %d replays (late streak %d)",
                         LATE_STREAK, PREPARE_FIRST_REPLAYS, self._switches)
-
-    def _prepare_raised(self, exc: BaseException) -> None:
-        """A ``prepare`` raised after the launch: open the gates on the capture's values, and say so."""
-        self._open_on_capture_values()
-        add_note(exc, "bcg: raised by a staged prepare (prepare_after_launch=True) after its graph was launched: "
-                 "the replay ran with the metadata staged at capture, so its outputs (and anything else the "
-                 "graph writes) are not this call's. The graph stays replayable")
+        try:
+            self._run_prepares(live)
+        except BaseException as exc:
+            self._open_on_capture_values()
+            add_note(exc, "bcg: raised by a staged prepare (prepare_after_launch=True) after its graph was launched: "
+                     "the replay ran with the metadata staged at capture, so its outputs (and anything else the "
+                     "graph writes) are not this call's. The graph stays replayable")
+            raise
+        self._open_gates()
 
     def _open_on_capture_values(self) -> None:
         """Open every closed gate on the value its buffer held at capture (within the kernels' bounds)."""
@@ -605,8 +568,6 @@ class Stager:
             if behind_gate:
                 self._device = buf.device.device.index
                 self._gated.append(buf)
-                assert buf._gate is not None
-                self._gate_addresses += (buf._gate.data_ptr(),)
                 self._capture_values.append(buf.host.clone())
                 self._armed.append(buf)
         if not spec.prepare_after_launch or not all(gated) or not written:

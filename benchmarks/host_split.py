@@ -1,7 +1,6 @@
 """Where a staged runner call's host time goes: the runner with ``prepare`` after the launch (gated,
 launched first) and with it first, beside the floor. Wraps the runner's pieces (``_call``,
-``graph.replay``, the executor's launch (``run``, or ``run_gated``: the launch and the prepares in
-one native call), the stager's steps, the workload's ``prepare``,
+``graph.replay``, the executor's launch, the stager's steps, the workload's ``prepare``,
 ``StagingBuffer.write``) with timers and prints each one's inclusive host us, the median of 60 whole
 calls, with the GPU busy behind a 20 ms spin kernel and then idle before each call. The timers add
 about 0.3 us each. A diagnostic that reaches into the runner's private state; not a bench row.
@@ -44,9 +43,7 @@ for label, built in (("gated", gated), ("first", first)):
         st = form._parts.stager
         wrap(form, "replay", rec, "graph.replay")
         wrap(form._executor, "run", rec, "executor.run")
-        if hasattr(form._executor, "run_gated"):
-            wrap(form._executor, "run_gated", rec, "executor.run_gated")
-        for n in ("misfit", "launch_first_now", "before_launch", "prepare_launched", "run_gated", "prepare", "_open_gates"):
+        for n in ("misfit", "launch_first_now", "before_launch", "prepare_launched", "prepare", "_open_gates"):
             wrap(st, n, rec, "stager." + n)
         st._prepares[:] = [(lambda p: (lambda live, _p=p, _r=rec.setdefault("workload prepare", []): (lambda t0: (_p(live), _r.append((ns() - t0) / 1e3))[0])(ns())))(p) for p in st._prepares]
     print(label, "tiers", len(runner.tiers(T)), "stager gated", [len(f._parts.stager._gated) for f in [*runner.tiers(T), runner.graph(T)]])

@@ -1,13 +1,10 @@
 """The host time of a whole forward's launch, and what it does to ``prepare_after_launch``: the floor's
 ``replay()`` host us with the GPU idle, behind a 30 ms spin kernel and behind a 0.3 ms one; for the
 staged runner with ``prepare`` after the launch (gated copies) and with it first (no gates): the
-whole call's, its executor's launch and its ``prepare_launched`` host us (or, with the native executor,
-its ``run_gated``: both in one call), GPU idle or busy; then
+whole call's, its executor's launch and its ``prepare_launched`` host us, GPU idle or busy; then
 whole calls of the floor and both runners interleaved one by one (to completion), three rounds of
-60, with their paired ratios to the floor; last, host us with the GPU idle, interleaved call by
-call (the host's drift shared): the floor, the launch-first call (one native call), the same with
-the stager's steps one by one (as the Python executor runs them), and prepare first. A diagnostic
-that reaches into the runner's private state (it wraps each form's executor); not a bench row.
+60, with their paired ratios to the floor. A diagnostic that reaches into the runner's private
+state (it wraps each form's executor); not a bench row.
 
 Run on a GPU: ``python benchmarks/launch_order.py T [flash|varlen]`` (one T per process).
 """
@@ -33,21 +30,15 @@ first = modes._bcg_staged(case2, ctx, compiled=False)
 for _ in range(5): fl.run(); gated.run(); first.run()
 torch.cuda.synchronize()
 recs = {}
-wrapped = []  # (object, method name) wrapped with a timer below; unwrapped for the interleaved host us
-def runner_of(built):
-    return [c.cell_contents for c in built.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
 for label, built in (("after launch", gated), ("prepare first", first)):
-    runner = runner_of(built)
-    rec = recs[label] = {"run": [], "prepare_launched": [], "run_gated": []}
+    runner = [c.cell_contents for c in built.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
+    rec = recs[label] = {"run": [], "prepare_launched": []}
     for form in [*runner.tiers(T), runner.graph(T)]:
-        for obj, name in ((form._executor, "run"), (form._parts.stager, "prepare_launched"), (form._executor, "run_gated")):
-            if not hasattr(obj, name):
-                continue
+        for obj, name in ((form._executor, "run"), (form._parts.stager, "prepare_launched")):
             f = getattr(obj, name)
             def w(*a, _f=f, _r=rec[name], **k):
                 t0 = ns(); r = _f(*a, **k); _r.append((ns() - t0) / 1e3); return r
             setattr(obj, name, w)
-            wrapped.append((obj, name))
 print(f"T={T} {attn}: nodes per launch: floor ops as in kernel_diff; forms {[s.nodes for s in runner.graph(T).segments]}")
 idle, busy, short = [], [], []
 for _ in range(30):
@@ -66,8 +57,7 @@ for label, built in (("after launch", gated), ("prepare first", first)):
             if cond == "busy": torch.cuda._sleep(30_000_000)
             t0 = ns(); built.run(); calls.append((ns() - t0) / 1e3)
         torch.cuda.synchronize()
-        print(f"T={T}: staged {label}, GPU {cond}: call {med(calls)}, executor.run {med(rec['run'])}, prepare_launched {med(rec['prepare_launched'])}, "
-              f"run_gated (launch + prepare in one native call) {med(rec['run_gated'])}", flush=True)
+        print(f"T={T}: staged {label}, GPU {cond}: call {med(calls)}, executor.run {med(rec['run'])}, prepare_launched {med(rec['prepare_launched'])}", flush=True)
 for r in range(3):
     wall = {"floor": [], "after launch": [], "prepare first": []}
     for _ in range(60):
@@ -75,21 +65,3 @@ for r in range(3):
             torch.cuda.synchronize(); t0 = ns(); fn(); torch.cuda.synchronize(); wall[k].append((ns() - t0) / 1e3)
     print(f"T={T} round {r}: wall us", {k: med(v) for k, v in wall.items()}, "ratio to floor",
           {k: round(statistics.median([a / b for a, b in zip(v, wall['floor'])]), 4) for k, v in wall.items() if k != "floor"}, flush=True)
-# Host us, GPU idle before each call, the forms interleaved call by call (the host's drift shared):
-# the floor, the launch-first call in one native call, the same with the stager's steps one by one
-# (before_launch, the launch, prepare_launched: what the Python executor runs), and prepare first.
-for obj, name in wrapped:
-    delattr(obj, name)  # the timers off: the class's method again
-gated_forms = [f for f in [*runner_of(gated).tiers(T), runner_of(gated).graph(T)] if f._executor.runs_gated]
-def one_by_one(on):
-    for f in gated_forms: f._executor.runs_gated = not on
-host = {"floor": [], "one call": [], "steps": [], "prepare first": []}
-for _ in range(300):
-    for k, fn in (("floor", fl.run), ("one call", gated.run), ("steps", gated.run), ("prepare first", first.run)):
-        one_by_one(k == "steps")
-        torch.cuda.synchronize(); t0 = ns(); fn(); host[k].append((ns() - t0) / 1e3)
-one_by_one(False)
-torch.cuda.synchronize()
-print(f"T={T}: host us interleaved (GPU idle, 300 each, median):", {k: med(v) for k, v in host.items()},
-      "median paired difference to the floor:", {k: med([a - b for a, b in zip(v, host["floor"])]) for k, v in host.items() if k != "floor"},
-      "to one call:", {k: med([a - b for a, b in zip(v, host["one call"])]) for k, v in host.items() if k not in ("floor", "one call")}, flush=True)

@@ -278,7 +278,6 @@ typedef struct {
     Py_ssize_t n;
     Py_ssize_t launches;  /* how many steps are graph launches */
     Py_ssize_t failed;    /* the step the last replay stopped at, or -1 */
-    int late;             /* replay_gated: the GPU was at a gate when the launches returned */
 } PlanObject;
 
 static PyObject *
@@ -359,7 +358,6 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->n = n;
     self->launches = launches;
     self->failed = -1;
-    self->late = 0;
     return (PyObject *)self;
 
 fail:
@@ -443,22 +441,20 @@ PyDoc_STRVAR(Plan_replay_doc,
 "``RuntimeError``) naming the step and the CUDA error, with attributes ``step``\n"
 "and ``cuda_error``.");
 
-/* Refuse a replay before any step runs when it would launch and the driver is missing, no
- * context can be made current, or `stream` is capturing. Returns 0 or -1 (error set). */
-static int
-check_launchable(PlanObject *self, CUstream stream, int device)
+static PyObject *
+Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (self->launches == 0)
-        return 0;
-    if (load_driver() < 0 || ensure_context(device) < 0 || check_not_capturing(stream) < 0)
-        return -1;
-    return 0;
-}
+    CUstream stream;
+    int device;
+    if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
+        return NULL;
+    self->failed = -1;
+    if (self->launches > 0) {
+        /* Before any step runs: a missing driver refuses the whole replay. */
+        if (load_driver() < 0 || ensure_context(device) < 0 || check_not_capturing(stream) < 0)
+            return NULL;
+    }
 
-/* Run every step on `stream`. Returns 0, or -1 with the error set and `failed` the step's index. */
-static int
-run_steps(PlanObject *self, CUstream stream)
-{
     Py_INCREF(self); /* a callable may drop the last other reference */
     const Entry *e = self->entries;
     const Py_ssize_t n = self->n;
@@ -507,132 +503,9 @@ run_steps(PlanObject *self, CUstream stream)
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "bcg._native.Plan was cleared during its replay");
-        return -1;
+        return NULL;
     }
-    return 0;
-}
-
-static PyObject *
-Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    CUstream stream;
-    int device;
-    if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
-        return NULL;
-    self->failed = -1;
-    if (check_launchable(self, stream, device) < 0 || run_steps(self, stream) < 0)
-        return NULL;
     Py_RETURN_NONE;
-}
-
-/*
- * A gate (bcg.staging.StagingBuffer): pinned host memory, int32 words [0] the gate (1: a
- * value is released to the next gated copy, which sets it back to 0 once it has read it),
- * [1] the arrival (the GPU sets it to 1 when a gated copy starts waiting), then the int64
- * stream of the copy the open gate is for. The GPU reads and writes the two flags with
- * system-scope atomics; the host uses C11 atomics on them.
- */
-typedef struct {
-    int32_t gate;
-    int32_t arrival;
-    int64_t stream;
-} Gate;
-
-/* The gates of a replay_gated call: a tuple of ints (host addresses). Returns the count, or -1. */
-static Py_ssize_t
-parse_gates(PyObject *obj, Gate **gates, Py_ssize_t max)
-{
-    if (!PyTuple_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "gates must be a tuple of host addresses (ints), not %.200s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    Py_ssize_t k = PyTuple_GET_SIZE(obj);
-    if (k > max) {
-        PyErr_Format(PyExc_ValueError, "replay_gated takes at most %zd gates, not %zd", max, k);
-        return -1;
-    }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *item = PyTuple_GET_ITEM(obj, j);
-        void *address = PyLong_Check(item) ? PyLong_AsVoidPtr(item) : NULL;
-        if (address == NULL || ((uintptr_t)address % sizeof(int64_t)) != 0) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "gate %zd: %R is not an 8-byte aligned host address", j, item);
-            return -1;
-        }
-        gates[j] = (Gate *)address;
-    }
-    return k;
-}
-
-#define BCG_MAX_GATES 64
-
-PyDoc_STRVAR(Plan_replay_gated_doc,
-"replay_gated(stream, device, gates, prepares, live, /)\n--\n\n"
-"A replay launched before its staged ``prepare`` functions (``bcg.staging``), in one call.\n"
-"``gates`` is a tuple of host addresses of the gated buffers' pinned gates (int32 gate,\n"
-"int32 arrival, int64 stream); ``prepares`` a list or tuple of callables.\n\n"
-"Returns None, having done nothing, when a gate is still open (the copy it was opened for\n"
-"has not read its value: wait for it, then call again). Otherwise clears every arrival,\n"
-"runs the steps as ``replay`` does, notes in ``late`` whether the GPU had reached a gate\n"
-"when the launches returned, calls each prepare with ``live``, then opens every gate for\n"
-"``stream``; returns ``late``. A prepare's exception propagates with the gates closed and\n"
-"``failed_step`` equal to ``len(plan)``; a step's failure raises as in ``replay``.");
-
-static PyObject *
-Plan_replay_gated(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    CUstream stream;
-    int device;
-    Gate *gates[BCG_MAX_GATES];
-    self->failed = -1;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "replay_gated() takes 5 positional arguments (stream, device, gates, "
-                     "prepares, live), %zd given", nargs);
-        return NULL;
-    }
-    if (parse_stream_device("replay_gated", args, 2, &stream, &device) < 0)
-        return NULL;
-    Py_ssize_t k = parse_gates(args[2], gates, BCG_MAX_GATES);
-    if (k < 0)
-        return NULL;
-    PyObject *prepares = PySequence_Fast(args[3], "prepares must be a list or tuple of callables");
-    if (prepares == NULL)
-        return NULL;
-    PyObject *live = args[4];
-    PyObject *result = NULL;
-    for (Py_ssize_t j = 0; j < k; j++) {
-        if (__atomic_load_n(&gates[j]->gate, __ATOMIC_ACQUIRE) != 0) {
-            result = Py_NewRef(Py_None); /* the previous replay's copy has not read its value */
-            goto done;
-        }
-    }
-    if (check_launchable(self, stream, device) < 0)
-        goto done;
-    for (Py_ssize_t j = 0; j < k; j++)
-        __atomic_store_n(&gates[j]->arrival, 0, __ATOMIC_RELEASE);
-    if (run_steps(self, stream) < 0)
-        goto done;
-    int late = 0;
-    for (Py_ssize_t j = 0; j < k; j++)
-        late |= __atomic_load_n(&gates[j]->arrival, __ATOMIC_ACQUIRE) != 0;
-    self->late = late;
-    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(prepares); j++) {
-        PyObject *res = PyObject_CallOneArg(PySequence_Fast_GET_ITEM(prepares, j), live);
-        if (res == NULL) {
-            self->failed = self->n;
-            goto done;
-        }
-        Py_DECREF(res);
-    }
-    for (Py_ssize_t j = 0; j < k; j++) { /* the values first (x86 keeps stores in order), then the gates */
-        __atomic_store_n(&gates[j]->stream, (int64_t)(intptr_t)stream, __ATOMIC_RELAXED);
-        __atomic_store_n(&gates[j]->gate, 1, __ATOMIC_RELEASE);
-    }
-    result = PyBool_FromLong(late);
-done:
-    Py_DECREF(prepares);
-    return result;
 }
 
 PyDoc_STRVAR(Plan_upload_doc,
@@ -675,12 +548,6 @@ Plan_get_failed_step(PlanObject *self, void *closure)
 }
 
 static PyObject *
-Plan_get_late(PlanObject *self, void *closure)
-{
-    return PyBool_FromLong(self->late);
-}
-
-static PyObject *
 Plan_get_launches(PlanObject *self, void *closure)
 {
     return PyLong_FromSsize_t(self->launches);
@@ -709,7 +576,6 @@ Plan_repr(PlanObject *self)
 
 static PyMethodDef Plan_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))Plan_replay, METH_FASTCALL, Plan_replay_doc},
-    {"replay_gated", (PyCFunction)(void (*)(void))Plan_replay_gated, METH_FASTCALL, Plan_replay_gated_doc},
     {"upload", (PyCFunction)(void (*)(void))Plan_upload, METH_FASTCALL, Plan_upload_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -719,8 +585,6 @@ static PyGetSetDef Plan_getset[] = {
      "Index of the step the last replay stopped at (-1: it completed, or failed before any step).",
      NULL},
     {"launches", (getter)Plan_get_launches, NULL, "How many steps are graph launches.", NULL},
-    {"late", (getter)Plan_get_late, NULL,
-     "Whether the GPU had reached a gate when the last replay_gated's launches returned.", NULL},
     {"steps", (getter)Plan_get_steps, NULL, "The steps, as given (a tuple).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -353,67 +353,6 @@ def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypat
     assert stager.launch_first_now()  # no streak came of them
 
 
-class _GatedExecutor:
-    """A NativeExecutor's run_gated as the Stager uses it: each call takes the next outcome (None: a
-    gate was open; True/False: launched, late or not, prepares run; an exception: raised, after the
-    prepares when ``in_prepare``)."""
-
-    runs_gated = True
-
-    def __init__(self, *outcomes: object, in_prepare: bool = False) -> None:
-        self.outcomes = list(outcomes)
-        self.prepare_failed = False
-        self.late = False
-        self.in_prepare = in_prepare
-
-    def run_gated(self, gates: tuple[int, ...], prepares: list, live: object) -> bool | None:  # noqa: ANN001
-        outcome = self.outcomes.pop(0)
-        self.prepare_failed = False
-        if isinstance(outcome, BaseException):
-            self.prepare_failed, self.late = self.in_prepare, True
-            raise outcome
-        if outcome is not None:
-            for prepare in prepares:
-                prepare(live)
-        return outcome  # type: ignore[return-value]
-
-
-def test_run_gated_waits_for_an_open_gate_then_launches_and_counts_late_launches(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    stager, gate, prepared = _fake_stager(monkeypatch)
-    stager.run_gated(_GatedExecutor(None, None, False), 1)  # twice a gate still open: waited, then called again
-    assert gate.log == ["wait", "wait"] and prepared == [1]
-    assert (stager.launched_first, stager.late_launches) == (1, 0)
-    for _ in range(3):
-        stager.run_gated(_GatedExecutor(True), 2)
-    assert (stager.launched_first, stager.late_launches) == (4, 3)
-    assert not stager.launch_first_now()  # a late streak: prepare runs first for a while
-    stager.run_gated(_GatedExecutor(True), 3, choosing=False)  # a forced order counts, but chooses nothing
-    assert stager.late_launches == 4 and stager._late_streak == 0
-
-
-def test_run_gated_settles_after_a_failed_launch_and_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    stager, gate, prepared = _fake_stager(monkeypatch)
-    settled: list[bool] = []
-    monkeypatch.setattr(stager, "settle", lambda: settled.append(True))
-    with pytest.raises(RuntimeError, match="cuGraphLaunch failed"):
-        stager.run_gated(_GatedExecutor(RuntimeError("cuGraphLaunch failed at step 1")), 1)
-    assert settled == [True] and prepared == [] and stager.launched_first == 0
-
-
-def test_run_gated_opens_the_gates_on_the_capture_values_when_a_prepare_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    stager, gate, prepared = _fake_stager(monkeypatch)
-    gate.gate_open = False
-    gate.host = torch.tensor([9, 9])
-    stager._capture_values = [torch.tensor([0, 128])]
-    monkeypatch.setattr(stager, "settle", lambda: pytest.fail("a prepare's failure must not settle (sync)"))
-    with pytest.raises(KeyError) as info:
-        stager.run_gated(_GatedExecutor(KeyError("no such request"), in_prepare=True), 1)
-    assert any("metadata staged at capture" in n for n in info.value.__notes__)
-    assert gate.host.tolist() == [0, 128] and gate.released == 1  # the launched replay reads bounded metadata
-    assert (stager.launched_first, stager.late_launches) == (1, 1)
-
-
 # -- the gated-copy kernel's build (bcg.gate) --------------------------------------------------
 
 

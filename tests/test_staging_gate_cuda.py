@@ -30,16 +30,12 @@ def _always_launch_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)
 
 
-@pytest.fixture(autouse=True, params=["kernel", "stream memory operations", "kernel, Python executor"])
+@pytest.fixture(autouse=True, params=["kernel", "stream memory operations"])
 def _gate_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test with both forms of the gate: bcg.gate's kernel, and the stream memory
-    operations bcg falls back to where the kernel cannot be built; and with the Python
-    executor, whose launch-first replays run the stager's steps one by one (the native
-    executor's run them in one call, ``replay_gated``)."""
-    if request.param == "stream memory operations":
+    operations bcg falls back to where the kernel cannot be built."""
+    if request.param != "kernel":
         monkeypatch.setattr(bcg.gate, "kernel", lambda device: None)
-    if request.param.endswith("Python executor"):
-        monkeypatch.setenv("BCG_NATIVE", "0")
 
 
 class GatedStaging(Staging):
