@@ -3,8 +3,10 @@
 staged runner with ``prepare`` after the launch (gated copies) and with it first (no gates): the
 whole call's, its executor's launch and its ``prepare_launched`` host us, GPU idle or busy; then
 whole calls of the floor and both runners interleaved one by one (to completion), three rounds of
-60, with their paired ratios to the floor. A diagnostic that reaches into the runner's private
-state (it wraps each form's executor); not a bench row.
+60, with their paired ratios to the floor; last, host us with the GPU idle, the three interleaved
+call by call (the host's drift shared), and their median paired differences to the floor's. A
+diagnostic that reaches into the runner's private state (it wraps each form's executor); not a
+bench row.
 
 Run on a GPU: ``python benchmarks/launch_order.py T [flash|varlen]`` (one T per process).
 """
@@ -30,6 +32,7 @@ first = modes._bcg_staged(case2, ctx, compiled=False)
 for _ in range(5): fl.run(); gated.run(); first.run()
 torch.cuda.synchronize()
 recs = {}
+wrapped = []  # (object, method name) wrapped with a timer below; unwrapped for the interleaved host us
 for label, built in (("after launch", gated), ("prepare first", first)):
     runner = [c.cell_contents for c in built.run.__closure__ if isinstance(c.cell_contents, bcg.GraphRunner)][0]
     rec = recs[label] = {"run": [], "prepare_launched": []}
@@ -39,6 +42,7 @@ for label, built in (("after launch", gated), ("prepare first", first)):
             def w(*a, _f=f, _r=rec[name], **k):
                 t0 = ns(); r = _f(*a, **k); _r.append((ns() - t0) / 1e3); return r
             setattr(obj, name, w)
+            wrapped.append((obj, name))
 print(f"T={T} {attn}: nodes per launch: floor ops as in kernel_diff; forms {[s.nodes for s in runner.graph(T).segments]}")
 idle, busy, short = [], [], []
 for _ in range(30):
@@ -65,3 +69,13 @@ for r in range(3):
             torch.cuda.synchronize(); t0 = ns(); fn(); torch.cuda.synchronize(); wall[k].append((ns() - t0) / 1e3)
     print(f"T={T} round {r}: wall us", {k: med(v) for k, v in wall.items()}, "ratio to floor",
           {k: round(statistics.median([a / b for a, b in zip(v, wall['floor'])]), 4) for k, v in wall.items() if k != "floor"}, flush=True)
+for obj, name in wrapped:
+    delattr(obj, name)  # the timers off: the class's method again
+# Host us, the GPU idle before each call, the three forms interleaved call by call (the host's drift shared).
+host = {"floor": [], "after launch": [], "prepare first": []}
+for _ in range(300):
+    for k, fn in (("floor", fl.run), ("after launch", gated.run), ("prepare first", first.run)):
+        torch.cuda.synchronize(); t0 = ns(); fn(); host[k].append((ns() - t0) / 1e3)
+torch.cuda.synchronize()
+print(f"T={T}: host us interleaved (GPU idle, 300 each, median):", {k: med(v) for k, v in host.items()},
+      "median paired difference to the floor:", {k: med([a - b for a, b in zip(v, host["floor"])]) for k, v in host.items() if k != "floor"}, flush=True)

@@ -30,12 +30,15 @@ def _always_launch_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)
 
 
-@pytest.fixture(autouse=True, params=["kernel", "stream memory operations"])
+@pytest.fixture(autouse=True, params=["kernel", "stream memory operations", "kernel, Python executor"])
 def _gate_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test with both forms of the gate: bcg.gate's kernel, and the stream memory
-    operations bcg falls back to where the kernel cannot be built."""
-    if request.param != "kernel":
+    operations bcg falls back to where the kernel cannot be built; and the kernel under the
+    Python executor (segments launched through ``CUDAGraph.replay``, not from C)."""
+    if request.param == "stream memory operations":
         monkeypatch.setattr(bcg.gate, "kernel", lambda device: None)
+    if request.param.endswith("Python executor"):
+        monkeypatch.setenv("BCG_NATIVE", "0")
 
 
 class GatedStaging(Staging):
