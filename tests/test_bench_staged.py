@@ -299,3 +299,30 @@ def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_wit
     assert host_calls.count("floor") == host_calls.count("test-runner") == cli.HOST_CALLS
     assert all(len(set(host_calls[i:i + 5])) == 1 for i in range(0, len(host_calls), 5))  # blocks of 5 ...
     assert set(host_calls[:10]) == {"floor", "test-runner"}  # ... in rounds of both modes
+
+
+def test_a_mode_that_fails_while_its_host_time_is_sampled_is_reported_and_has_no_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+
+    def build(case: object, ctx: object) -> registry.Built:
+        eager = modes.build_eager(case, ctx)  # type: ignore[arg-type]
+
+        def run() -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] > 1 + 5 + 3:  # the first replay and the timed ones pass; the host calls fail
+                raise RuntimeError("replay broke")
+            return eager.run()
+
+        return registry.Built(run=run, host=True)
+
+    monkeypatch.setitem(cli.MODES, "test-flaky", registry.ModeSpec("test-flaky", build, False, "", lambda: None))
+    args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
+    case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
+    ref = cli._reference(case, lambda: None)
+    errors: list[tuple[str, str]] = []
+    rows = cli._measure_case(case, ["test-flaky", "eager"], lambda c: ref, registry.BuildContext(), 5, 0,
+                             lambda: None, failed=lambda m, exc: errors.append((m, str(exc))),
+                             skipped=lambda m, exc: None, progress=lambda step: None)
+    assert errors == [("test-flaky", "replay broke")]
+    assert [r["mode"] for r in rows] == ["eager"]

@@ -294,15 +294,21 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
             except Exception as exc:
                 failed(mode, exc)
         host_failed: list[str] = []
+
+        def host_error(mode: str, exc: Exception) -> None:
+            host_failed.append(mode)
+            failed(mode, exc)
+
         host = sample_interleaved({m: built[m].run for m in measured if built[m].host}, sync, HOST_CALLS,
-                                  on_error=lambda m, exc: (host_failed.append(m), failed(m, exc)), wait=False)
+                                  on_error=host_error, wait=False)
         for mode, fields in measured.items():
             if mode in host_failed:
                 continue
             if mode in host:
                 fields["host_us_per_replay"] = statistics.median(host[mode]) * 1e3
-                if "floor" in host:
-                    fields["host_us_over_floor"] = paired_difference(host[mode], host["floor"]) * 1e3  # type: ignore[operator]
+                over = paired_difference(host[mode], host["floor"]) if "floor" in host else None
+                if over is not None:
+                    fields["host_us_over_floor"] = over * 1e3
             b = built[mode]
             try:
                 err = _check(case, b, reference(MODES[mode].compiled), sync)
