@@ -522,7 +522,8 @@ def test_paired_difference_cancels_drift_shared_by_a_round() -> None:
     ours = [19.0 + d for d in drift for _ in range(5)]
     ours[7] = 500.0  # one outlier in a block
     assert paired_difference(ours, ref, block=5) == pytest.approx(12.0)
-    assert paired_difference(ours[:12], ref, block=5) == pytest.approx(12.0)  # a shorter last block
+    assert paired_difference(ours[:12], ref, block=5) == pytest.approx(12.0)  # a shorter last block ...
+    assert statistics.median(ours[:12]) - statistics.median(ref) == pytest.approx(-6.5)  # ... unpaired: other rounds
     assert paired_difference([], ref) is None
 
 

@@ -253,9 +253,11 @@ def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_wit
     """Modes with Built.host get host_us_per_replay (their calls alone) and host_us_over_floor (paired with the
     floor's calls, round by round); the host calls come after the measures stopped, interleaved."""
     events: list[str] = []
+    waits: list[bool] = []
     clock = [0.0]  # us of host time, as each call says
 
     def timed_ms(fn: Any, sync: Any, wait: bool = True) -> float:
+        waits.append(wait)
         t0 = clock[0]
         fn()
         return (clock[0] - t0) / 1e3
@@ -296,12 +298,13 @@ def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_wit
     timed = 3 + 3 * 5  # first replays, then 5 timed calls each
     assert all(r["stopped_after"] == timed for r in rows.values())  # measures stop before the host calls
     host_calls = events[timed:timed + 2 * cli.HOST_CALLS]
+    assert waits == [True] * 3 * 5 + [False] * 2 * cli.HOST_CALLS  # host calls: until the call returns
     assert host_calls.count("floor") == host_calls.count("test-runner") == cli.HOST_CALLS
     assert all(len(set(host_calls[i:i + 5])) == 1 for i in range(0, len(host_calls), 5))  # blocks of 5 ...
     assert set(host_calls[:10]) == {"floor", "test-runner"}  # ... in rounds of both modes
 
 
-def test_a_mode_that_fails_while_its_host_time_is_sampled_is_reported_and_has_no_row(
+def test_a_floor_that_fails_while_its_host_time_is_sampled_is_reported_and_no_mode_is_paired_with_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls = [0]
 
@@ -310,19 +313,25 @@ def test_a_mode_that_fails_while_its_host_time_is_sampled_is_reported_and_has_no
 
         def run() -> torch.Tensor:
             calls[0] += 1
-            if calls[0] > 1 + 5 + 3:  # the first replay and the timed ones pass; the host calls fail
+            if calls[0] > 1 + 5 + 3:  # the first replay, the timed ones and 3 host calls pass; the 4th fails
                 raise RuntimeError("replay broke")
             return eager.run()
 
         return registry.Built(run=run, host=True)
 
-    monkeypatch.setitem(cli.MODES, "test-flaky", registry.ModeSpec("test-flaky", build, False, "", lambda: None))
+    def build_other(case: object, ctx: object) -> registry.Built:
+        return registry.Built(run=modes.build_eager(case, ctx).run, host=True)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(cli.MODES, "floor", registry.ModeSpec("floor", build, False, "", lambda: None))
+    monkeypatch.setitem(cli.MODES, "test-other", registry.ModeSpec("test-other", build_other, False, "", lambda: None))
     args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
     case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
     ref = cli._reference(case, lambda: None)
     errors: list[tuple[str, str]] = []
-    rows = cli._measure_case(case, ["test-flaky", "eager"], lambda c: ref, registry.BuildContext(), 5, 0,
+    rows = cli._measure_case(case, ["floor", "test-other"], lambda c: ref, registry.BuildContext(), 5, 0,
                              lambda: None, failed=lambda m, exc: errors.append((m, str(exc))),
                              skipped=lambda m, exc: None, progress=lambda step: None)
-    assert errors == [("test-flaky", "replay broke")]
-    assert [r["mode"] for r in rows] == ["eager"]
+    assert errors == [("floor", "replay broke")]
+    (row,) = rows
+    assert row["mode"] == "test-other" and row["host_us_per_replay"] > 0
+    assert "host_us_over_floor" not in row  # not paired with a floor that broke

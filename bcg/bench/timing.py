@@ -10,6 +10,7 @@ host side, which is exactly what breakable graphs are about, so we do not use th
 
 from __future__ import annotations
 
+import operator
 import random
 import statistics
 import time
@@ -112,28 +113,29 @@ def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, syn
     return {"compile_s": time.perf_counter() - t0, "graphs_compiled": dynamo_graphs() - graphs0}
 
 
+def _paired(samples: list[float], reference: list[float], block: int,
+            combine: Callable[[float, float], float]) -> float | None:
+    rounds = min(len(samples), len(reference))
+    per_round = [
+        combine(statistics.median(samples[i:i + block]), statistics.median(reference[i:i + block]))
+        for i in range(0, rounds, block)
+    ]
+    return statistics.median(per_round) if per_round else None
+
+
 def paired_ratio(samples: list[float], reference: list[float], block: int = BLOCK) -> float | None:
     """The median over rounds of ``samples``' block median / ``reference``'s block median in the
     same round (both from one :func:`sample_interleaved` call). The two blocks of a round ran
     within moments of each other, so the machine's drift cancels in each quotient; None when
     there is no common round."""
-    rounds = min(len(samples), len(reference))
-    quotients = [
-        statistics.median(samples[i:i + block]) / statistics.median(reference[i:i + block])
-        for i in range(0, rounds, block)
-    ]
-    return statistics.median(quotients) if quotients else None
+    return _paired(samples, reference, block, operator.truediv)
 
 
 def paired_difference(samples: list[float], reference: list[float], block: int = BLOCK) -> float | None:
     """:func:`paired_ratio`'s difference: the median over rounds of ``samples``' block median minus
-    ``reference``'s in the same round; None when there is no common round."""
-    rounds = min(len(samples), len(reference))
-    differences = [
-        statistics.median(samples[i:i + block]) - statistics.median(reference[i:i + block])
-        for i in range(0, rounds, block)
-    ]
-    return statistics.median(differences) if differences else None
+    ``reference``'s in the same round (a drift that adds to every call of a round cancels); None
+    when there is no common round."""
+    return _paired(samples, reference, block, operator.sub)
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
