@@ -296,20 +296,20 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torc
                 measured[mode] = stops[mode]() if mode in stops else {}
             except Exception as exc:
                 failed(mode, exc)
-        host_failed: list[str] = []
+        host_failed: set[str] = set()
 
         def host_error(mode: str, exc: Exception) -> None:
-            host_failed.append(mode)
+            host_failed.add(mode)
             failed(mode, exc)
 
         host = sample_interleaved({m: built[m].run for m in measured if built[m].host}, sync, HOST_CALLS,
                                   on_error=host_error, wait=False)
+        floor = next((m for m in ("floor", "floor-compile") if m in host and m not in host_failed), None)
         for mode, fields in measured.items():
             if mode in host_failed:
                 continue
             if mode in host:
                 fields["host_us_per_replay"] = statistics.median(host[mode]) * 1e3
-                floor = next((m for m in ("floor", "floor-compile") if m in host and m not in host_failed), None)
                 over = paired_difference(host[mode], host[floor]) if floor is not None else None
                 if over is not None:
                     fields["host_us_over_floor"] = over * 1e3
