@@ -22,6 +22,7 @@ from bcg.errors import (
     LiveReadInSegmentError,
     NestedCaptureError,
     ReplayError,
+    StaleTensorError,
     StreamForkError,
     VerificationError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "ReplayError",
     "StagedTiers",
     "StagingBuffer",
+    "StaleTensorError",
     "StreamForkError",
     "VariantPolicy",
     "VerificationError",

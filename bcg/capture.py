@@ -10,9 +10,7 @@ follows runs on real data and the capture itself computes a correct forward.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import threading
 import time
 import traceback
 import warnings
@@ -50,8 +48,20 @@ from bcg.errors import (
     user_line,
 )
 from bcg.plan import BreakpointStep, GraphParts, SegmentStep, Step
+from bcg.pool import (
+    OWNERSHIPS,
+    Ownership,
+    PoolHandle,
+    PoolLease,
+    PoolMembership,
+    SegmentMap,
+    graph_pool_handle,
+    pool_bytes,
+)
+from bcg.process import capture_lock, capture_stream, capturing, release_when_safe
 from bcg.staging import NOT_INLINE, Stager
-from bcg.pool import OWNERSHIPS, Ownership, PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
+from bcg.storages import StorageWatch
+from bcg.torch_internals import clear_cublas_workspaces
 
 if TYPE_CHECKING:
     from bcg.graph import BreakableGraph
@@ -75,66 +85,6 @@ _HOST_SYNC_HINTS = (
 _UNCAPTURED_DEPENDENCY = ("dependency created on uncaptured work in another stream", "cudaErrorStreamCaptureIsolation")
 _LEGACY_STREAM = ("would make the legacy stream depend on a capturing blocking stream", "cudaErrorStreamCaptureImplicit")
 _EARLIER_ERROR = ("operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated")
-
-
-class _ProcessCaptureState:
-    """What every capture in this process shares, and why it is process-wide.
-
-    * ``lock``: captures are serialized per process. In ``"global"`` mode one
-      thread's capture is invalidated by any other thread's unsafe CUDA call
-      (the device synchronize that begins another capture, a ``cudaMalloc``),
-      and the capture stream below is shared. Reentrant, so that the runner
-      and ``make_graph`` hold it across warm-up and capture.
-    * one capture stream per device, reused as ``torch.cuda.graph`` reuses its
-      own: torch caches a cuBLAS workspace per (handle, stream) for the life of
-      the process, so a new stream per capture would leak one workspace each.
-    * Python's cycle collector, paused while any capture runs (reference
-      counted): collecting garbage that holds a CUDA graph destroys it, which
-      CUDA forbids while a stream captures.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._gc_lock = threading.Lock()
-        self._gc_depth = 0
-        self._gc_was_enabled = False
-
-    def stream(self, device: int) -> torch.cuda.Stream:
-        with self.lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
-            return stream
-
-    def pause_gc(self) -> None:
-        with self._gc_lock:
-            if self._gc_depth == 0:
-                self._gc_was_enabled = gc.isenabled()
-                gc.disable()
-            self._gc_depth += 1
-
-    def resume_gc(self) -> None:
-        """Undo one :meth:`pause_gc`; the last one collects the captures' young garbage now."""
-        with self._gc_lock:
-            self._gc_depth -= 1
-            if self._gc_depth or not self._gc_was_enabled:
-                return
-            gc.enable()
-        gc.collect(0)
-
-
-_PROCESS = _ProcessCaptureState()
-
-
-def capture_lock() -> threading.RLock:
-    """The per-process capture lock (reentrant): hold it to keep other threads' captures out."""
-    return _PROCESS.lock  # type: ignore[return-value]
-
-
-def capture_stream(device: int | None = None) -> torch.cuda.Stream:
-    """The capture stream bcg uses on ``device`` (default: the current one) when none is given."""
-    return _PROCESS.stream(torch.cuda.current_device() if device is None else device)
 
 
 @contextlib.contextmanager
@@ -208,6 +158,12 @@ class CaptureSession(Recorder):
         self._generator = torch.cuda.default_generators[device]
         self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
         self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
+        # the storages outside the pool that captured operations read (see bcg.storages)
+        self.watch = StorageWatch(SegmentMap([pool]).external, recording=self.recording_segment)
+
+    def recording_segment(self) -> bool:
+        """Whether a segment is open (its operations are captured; not a breakpoint's eager run)."""
+        return self._current is not None
 
     @property
     def segment_label(self) -> str:  # type: ignore[override]
@@ -389,7 +345,7 @@ class CaptureSession(Recorder):
             log.debug("bcg: settling the staged gates of an abandoned capture: %r", exc)
         if self.owns_pool:
             self.lease.release()
-            torch.cuda.empty_cache()  # an abandoned pool of our own goes back to the driver
+            release_when_safe(torch.cuda.empty_cache)  # an abandoned pool of our own goes back to the driver
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
@@ -516,9 +472,15 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         stream = self._stream if self._stream is not None else capture_stream(device)
         if stream == torch.cuda.default_stream(device):
             raise CaptureError("bcg.capture cannot capture on the default stream: pass a torch.cuda.Stream()")
-        if not _PROCESS.lock.acquire(blocking=False):
+        lock = capture_lock()
+        if not lock.acquire(blocking=False):
             log.debug("bcg.capture: waiting for another thread's capture to end")
-            _PROCESS.lock.acquire()
+            lock.acquire()
+        try:
+            self._capturing = capturing()  # frees asked for from now on wait until the capture ends
+            self._capturing.__enter__()
+        finally:
+            lock.release()  # (held on by capturing())
         try:
             torch.cuda.synchronize(device)
             # As torch.cuda.graph does: blocks cached for eager work (the warm-up's) go back to
@@ -533,14 +495,15 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                 barrier=self._barrier,
             )
         except BaseException:
-            _PROCESS.lock.release()
+            self._capturing.__exit__(None, None, None)
             raise
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()
         self._active_token = ACTIVE.set(self._session)
         self._live_token = set_live(self._live)
         self._compile_watch = CompileWatch().__enter__()
-        _PROCESS.pause_gc()  # see _ProcessCaptureState
+        self._watch: StorageWatch | None = self._session.watch
+        self._watch.__enter__()
         self._t0 = time.perf_counter()
         try:
             self._session.open_segment()
@@ -580,6 +543,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
                         stager=session.stager or None,
                         variant_policy=self._variants,
                         unswitchable=frozenset(session.unswitchable),
+                        held=session.watch.held("this graph's segments", []),
                     )
                 )
             finally:
@@ -627,15 +591,25 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         return held
 
     def _restore(self) -> None:
-        """Undo ``__enter__``'s process-wide and context changes; release the capture lock last."""
+        """Undo ``__enter__``'s process-wide and context changes; the capture ends last (the
+        capture lock is released, and frees deferred meanwhile run)."""
         try:
-            _PROCESS.resume_gc()
+            self._session_watch_exit()
             self._compile_watch.__exit__(None, None, None)
             reset_live(self._live_token)
             ACTIVE.reset(self._active_token)
             self._stream_ctx.__exit__(None, None, None)
         finally:
-            _PROCESS.lock.release()
+            try:
+                clear_cublas_workspaces()  # no cache keeps the workspace the captured kernels use
+            finally:
+                self._capturing.__exit__(None, None, None)
+
+    def _session_watch_exit(self) -> None:
+        watch = self._watch
+        if watch is not None:
+            self._watch = None
+            watch.__exit__(None, None, None)
 
     def _abandon(self, session: CaptureSession, exc: BaseException) -> BaseException:
         """Abandon the capture after ``exc``; return the exception to raise (maybe translated)."""
@@ -758,7 +732,12 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
 
 def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
     """``graph.capture_begin`` on ``stream`` (the current stream); if it fails, no capture is left
-    open on ``stream`` and torch's RNG capture state is closed."""
+    open on ``stream`` and torch's RNG capture state is closed.
+
+    Torch's cached cuBLAS workspaces are dropped first, so that the segment's
+    matmuls allocate theirs inside the capture, in the graph's own pool
+    (see :func:`bcg.torch_internals.clear_cublas_workspaces`)."""
+    clear_cublas_workspaces()
     try:
         graph.capture_begin(pool=pool, capture_error_mode=mode)
     except BaseException:
@@ -774,37 +753,42 @@ def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
         graph.capture_end()
 
 
-def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int) -> tuple[torch.cuda.CUDAGraph, int]:
+def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
+                 graph_pool: PoolHandle | None = None) -> tuple[torch.cuda.CUDAGraph, int, StorageWatch]:
     """Capture ``fn()`` alone into a new ``torch.cuda.CUDAGraph(keep_graph=True)`` in ``pool``.
 
-    Returns ``(graph, nodes)``: instantiated when ``nodes`` > 0, never run
-    (its first launch uploads it on the stream that launches it). Captured in ``"thread_local"`` mode (other threads' CUDA calls
-    neither break it nor are refused) on bcg's capture stream of ``device``,
-    holding the capture lock. On any failure the capture is unwound (no stream
-    left capturing, RNG and allocator state closed), the graph freed, and the
-    exception re-raised.
+    Returns ``(graph, nodes, watch)``: the graph instantiated when ``nodes`` >
+    0, never run (its first launch uploads it on the stream that launches it),
+    and the :class:`~bcg.storages.StorageWatch` of the storages it read outside
+    ``pool`` and ``graph_pool``. Captured in ``"thread_local"`` mode (other
+    threads' CUDA calls neither break it nor are refused) on bcg's capture
+    stream of ``device``, holding the capture lock. On any failure the capture
+    is unwound (no stream left capturing, RNG and allocator state closed), the
+    graph freed, and the exception re-raised.
     """
     stream = capture_stream(device)
-    with capture_lock():
+    with capturing():
         stream.wait_stream(torch.cuda.current_stream(device))
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        _PROCESS.pause_gc()  # see _ProcessCaptureState
+        pools = [pool] if graph_pool is None else [pool, graph_pool]
+        watch = StorageWatch(SegmentMap(pools).external, recording=lambda: True)
         try:
             with torch.cuda.stream(stream):
                 _begin_capture(graph, pool, "thread_local", stream)
                 try:
-                    fn()
+                    with watch:
+                        fn()
                     _end_capture(graph)
                 except BaseException:
                     unwind_capture(graph, stream, device, pool)
-                    graph.reset()
+                    graph.reset()  # never launched, and no capture is underway any more
                     raise
         finally:
-            _PROCESS.resume_gc()
+            clear_cublas_workspaces()
         nodes = sum(cudart.node_type_counts(int(graph.raw_cuda_graph())).values())
         if nodes:
             graph.instantiate()
-    return graph, nodes
+    return graph, nodes, watch
 
 
 def capture_fallback(graph: BreakableGraph, fn: Callable[[], Any], release: Callable[[Any], Any] | None = None,

@@ -62,6 +62,10 @@ class ReplayError(BcgError):
     """A replay was refused before any work was launched, or a breakpoint broke its contract."""
 
 
+class StaleTensorError(ReplayError):
+    """A tensor the graph reads was replaced: nothing but the graph holds its storage any more."""
+
+
 class BreakpointOutputMismatch(ReplayError):
     """A breakpoint returned, at replay, something its capture-time bridges cannot hold."""
 

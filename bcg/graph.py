@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -14,13 +15,14 @@ import torch.autograd.profiler as _profiler
 from torch.utils import _pytree as pytree
 
 from bcg import cudart
-from bcg.capture import capture_lock
+from bcg.process import release_when_safe
 from bcg.errors import ReplayError
 from bcg.breakpoint import UNSET, reset_live, set_live
 from bcg.pool import PoolHandle, PoolLease, pool_bytes
-from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step
+from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step, breakpoint_tensors
 from bcg.cudart import stream_readers
 from bcg.replay import Executor, make_executor
+from bcg.storages import check_alarm
 from bcg.variants import VariantCache, VariantPolicy
 
 _current_device, _current_stream = stream_readers()
@@ -50,6 +52,8 @@ class GraphStats:
     ``launched_first``: inline replays that launched before ``prepare``
     (``prepare_after_launch``); ``late_launches``: those whose launch returned
     with the GPU already waiting at a gate (see :mod:`bcg.staging`).
+    ``held_storages``, ``held_storage_bytes``: the storages outside the pool
+    that the segments read, which the graph keeps alive (see :mod:`bcg.storages`).
     """
 
     mode: str
@@ -70,6 +74,8 @@ class GraphStats:
     variants: dict[str, Any] | None = None
     launched_first: int = 0
     late_launches: int = 0
+    held_storages: int = 0
+    held_storage_bytes: int = 0
 
 
 class BreakableGraph:
@@ -96,6 +102,8 @@ class BreakableGraph:
         self._disabled: frozenset[str] = frozenset()  # switchable node groups turned off
         self._executors: dict[frozenset[str], Executor] = {}  # one per set of groups turned off
         self._launches_first = False  # replays launch before the staged prepare (see install)
+        # storages read by the segments (or variants) that nothing but the graph may hold any more
+        self._alarm: list[Any] = []
 
     # -- filled by capture / make_graph ----------------------------------------------
     def install(self, parts: GraphParts) -> None:
@@ -113,10 +121,14 @@ class BreakableGraph:
         self._plan = tuple(parts.plan)
         self._was_reset = False
         graph_mode = parts.mode == "graph"
+        if parts.held is not None:
+            self._alarm = parts.held.alarm
+            parts.held.set_bcg_tensors(functools.partial(breakpoint_tensors, self._plan))
         if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self._plan):
             # attaches itself to the keyed steps (graph mode) before the executor reads them
             self.variants = VariantCache(self._plan, parts.device if graph_mode else None,
-                                         parts.variant_policy or VariantPolicy(), self._rebuild_executor)
+                                         parts.variant_policy or VariantPolicy(), self._rebuild_executor,
+                                         self._alarm, parts.pool)
         self._executor = make_executor(self._plan) if graph_mode else None
         if self._executor is not None:
             self._executors[self._disabled] = self._executor
@@ -269,9 +281,21 @@ class BreakableGraph:
             trimmed_executables=sum(len(s.trimmed) for s in segments),
             launched_first=launched_first,
             late_launches=late_launches,
+            held_storages=len(parts.held) if parts.held is not None else 0,
+            held_storage_bytes=parts.held.nbytes if parts.held is not None else 0,
         )
 
     # -- replay -------------------------------------------------------------------------
+    def check_held(self) -> None:
+        """Raise :class:`bcg.StaleTensorError` if a tensor the captured kernels read was replaced
+        (nothing but the graph holds its storage any more): what every replay asks first.
+
+        Cheap: a replay pays one list check unless a tensor the graph reads was
+        collected (see :mod:`bcg.storages`).
+        """
+        if self._alarm:
+            check_alarm(self._alarm)
+
     def replay(self, live: Any = UNSET, *, breakable: bool = False, stitch: bool = True,
                fits_checked: bool = False, launch_first: bool | None = None) -> Any:
         """Run segment, breakpoint, segment, ... on the current stream.
@@ -318,6 +342,8 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{parts.device} but the current device is "
                 f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
             )
+        if self._alarm:  # a storage the graph reads may have been replaced (see bcg.storages)
+            check_alarm(self._alarm)
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
         may_launch_first = False
         if stager is not None:
@@ -499,41 +525,42 @@ class BreakableGraph:
 
     # -- release -------------------------------------------------------------------------
     def reset(self) -> None:
-        """Free segments, bridges, held arguments and the graph's share of its pool.
+        """Free segments, bridges, held arguments and storages, and the graph's share of its pool.
 
         Tensors the captured code returned (``outputs``) stay valid only as long
         as you hold them; their pool memory is returned when you drop them.
+        The graph is reset at once; while a bcg capture is underway (on any
+        thread) the freeing itself waits until it ends, since CUDA forbids
+        destroying graphs during a capture. Dropping the last reference to a
+        graph frees it the same way.
 
         Raises:
             ReplayError: a replay of this graph is in progress (``reset()`` called
                 from one of its breakpoints, or from another thread while a
                 breakpoint runs); nothing is freed.
         """
-        with capture_lock():  # synchronizing and freeing would invalidate another thread's capture
-            if self._replaying:
-                raise ReplayError(
-                    "reset() was called while this graph is replaying (from one of its breakpoints, or "
-                    "from another thread during a replay): freeing its segments now would let the "
-                    "replay launch destroyed graphs. Reset it after the replay returns; nothing was freed"
-                )
-            self._release()
+        if self._replaying:
+            raise ReplayError(
+                "reset() was called while this graph is replaying (from one of its breakpoints, or "
+                "from another thread during a replay): freeing its segments now would let the "
+                "replay launch destroyed graphs. Reset it after the replay returns; nothing was freed"
+            )
+        self._release()
 
     def _release(self) -> None:
         parts = self._parts
-        graph_mode = parts.mode == "graph" and self._executor is not None
-        if graph_mode and torch.cuda.is_available():
-            torch.cuda.synchronize(parts.device)  # no replay may still be reading what we free
-        if self.variants is not None:
-            self.variants.release()
-            self.variants = None
-        for step in self._plan:
-            step.release()
+        device = parts.device if parts.mode == "graph" and self._executor is not None else None
+        plan, variants, lease = self._plan, self.variants, self._lease
+        if parts.held is not None:
+            parts.held.release()
+        self.variants = None
+        self._lease = None
+        self._alarm = []
         self._plan = ()
         self._executor = None
         self._launches_first = False
         self._parts = GraphParts(plan=(), capture_s=0.0)
         self.source = None
-        self.hold(None)
         fallback, self.fallback = self.fallback, None
         if fallback is not None:
             fallback.reset()
@@ -541,8 +568,20 @@ class BreakableGraph:
         self._disabled, self._executors = frozenset(), {}
         self.outputs = None
         self._was_reset = True
-        if graph_mode and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # return the pool's now-free blocks to the driver
+
+        def free() -> None:
+            if device is not None:
+                torch.cuda.synchronize(device)  # no queued replay may still read what is freed
+            if variants is not None:
+                variants.release()
+            for step in plan:
+                step.release()
+            if lease is not None:
+                lease.release()
+            if device is not None:
+                torch.cuda.empty_cache()  # the pool's now-free blocks go back to the driver
+
+        release_when_safe(free)
         log.debug("bcg: graph reset")
 
     def describe(self) -> str:

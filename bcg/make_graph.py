@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from bcg.breakpoint import UNSET, recording
-from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
+from bcg.capture import capture, capture_fallback
 from bcg.eager import EagerRecorder, EagerReplay
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.plan import GraphParts, GraphSource
 from bcg.pool import PoolHandle
+from bcg.process import capture_lock, capture_stream
 from bcg.staging import StagedWarmup
 from bcg.variants import VariantPolicy
 

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
+from torch.utils import _pytree as pytree
 
 from bcg import cudart
 from bcg.cudart import stream_readers
 from bcg.breakpoint import BreakpointSpec
 from bcg.bridge import BridgeSet
+from bcg.process import on_release
 from bcg.trim import trimmed_exec
 
 log = logging.getLogger("bcg")
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from bcg.debug import Guards, Poison
     from bcg.pool import PoolHandle, PoolLease
     from bcg.staging import Stager
+    from bcg.storages import HeldStorages
     from bcg.variants import StepVariants, VariantPolicy
 
 
@@ -52,10 +55,13 @@ class SegmentStep:
     #: why this segment skips groups by disabling their nodes (RNG, a refused trimmed build, or a
     #: breakable form: see ``BreakableGraph.set_fallback``); None: it trims
     in_place: str | None = None
+    _free: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.uses_rng:
             self.in_place = "it uses RNG: torch replays it"
+        if self.cuda_graph is not None:  # freed when released or collected, never during a capture
+            self._free = on_release(self, functools.partial(_free_segment, self.cuda_graph, self.trimmed))
 
     @property
     def _trims(self) -> bool:
@@ -131,13 +137,19 @@ class SegmentStep:
         return int(self.cuda_graph.raw_cuda_graph_exec())
 
     def release(self) -> None:
-        """Free the executables and the graph (no replay may still be queued)."""
-        for graph_exec in self.trimmed.values():
-            cudart.exec_destroy(graph_exec)
+        """Free the executables and the graph (now, or once no capture is underway)."""
+        if self._free is not None:
+            self._free()
         self.trimmed, self.skipped = {}, frozenset()
-        if self.cuda_graph is not None:
-            self.cuda_graph.reset()
-            self.cuda_graph = None
+        self.cuda_graph = None
+
+
+def _free_segment(graph: torch.cuda.CUDAGraph, trimmed: dict[frozenset[str], int]) -> None:
+    """A segment's graph and trimmed executables (an executable still in flight is freed once done)."""
+    for graph_exec in trimmed.values():
+        cudart.exec_destroy(graph_exec)
+    trimmed.clear()
+    graph.reset()
 
 
 @dataclass(eq=False)
@@ -214,6 +226,14 @@ def _make_runner(step: BreakpointStep) -> Callable[[], None]:
 Step = Union[SegmentStep, BreakpointStep]
 
 
+def breakpoint_tensors(plan: Sequence[Step]) -> list[torch.Tensor]:
+    """The tensors the plan's breakpoint steps hold as arguments (what a replay passes them)."""
+    return [
+        t for step in plan if isinstance(step, BreakpointStep)
+        for t in pytree.tree_leaves((step.args, step.kwargs)) if isinstance(t, torch.Tensor)
+    ]
+
+
 @dataclass
 class GraphParts:
     """What a capture (or an eager-mode recording) hands to :meth:`BreakableGraph.install`.
@@ -226,6 +246,8 @@ class GraphParts:
     before each launch). ``variant_policy``: the bounds of the keyed
     breakpoints' variants (None: the defaults). ``unswitchable``: labels of
     ``switchable`` blocks that cannot be disabled (their nodes always run).
+    ``held``: the storages outside the pool that the segments read (see
+    :mod:`bcg.storages`).
     """
 
     plan: Sequence[Step]
@@ -241,6 +263,7 @@ class GraphParts:
     stager: Stager | None = None
     variant_policy: VariantPolicy | None = None
     unswitchable: frozenset[str] = frozenset()
+    held: HeldStorages | None = None
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,16 @@ that something read memory it did not own.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
+
+from bcg.process import on_release
 
 PoolHandle = tuple[int, int]
 Ownership = Literal["graph", "pool"]
@@ -106,6 +109,7 @@ class PoolLease:
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             self._graphs[0].capture_begin(pool=pool)
             self._graphs[0].capture_end()
+        self._release = on_release(self, lambda graphs=self._graphs: _reset_all(graphs))
 
     def keep(self, graph: torch.cuda.CUDAGraph) -> None:
         """Hold a captured segment that is never launched (an empty one, or one whose ranks
@@ -126,10 +130,50 @@ class PoolLease:
             torch._C._cuda_releasePool(self.device, self.pool)
 
     def release(self) -> None:
-        """Drop the graph's counts on the pool (idempotent)."""
-        graphs, self._graphs = self._graphs, []
-        for graph in graphs:
-            graph.reset()
+        """Drop the graph's counts on the pool (idempotent; deferred while a capture runs)."""
+        self._release()
+
+
+def _reset_all(graphs: list[torch.cuda.CUDAGraph]) -> None:
+    while graphs:
+        graphs.pop().reset()
+
+
+_HOST_COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+
+
+class SegmentMap:
+    """The caching allocator's segments at one moment (a capture's start), by address.
+
+    :meth:`external` tells a storage that lives outside the capture's own
+    ``pools`` (the global pool, other graphs' pools, pinned host memory) from
+    one inside them, or in a segment allocated since (the capture's own).
+    """
+
+    def __init__(self, pools: Iterable[PoolHandle]) -> None:
+        own = {tuple(p) for p in pools}
+        ranges = sorted(
+            (int(seg["address"]), int(seg["address"]) + int(seg["total_size"]),
+             tuple(seg.get("segment_pool_id", (0, 0))) in own)
+            for seg in segments()
+        )
+        self._starts = [start for start, _, _ in ranges]
+        self._ranges = ranges
+
+    def external(self, op: Any, t: torch.Tensor, ptr: int) -> bool:
+        """Whether ``t`` (storage address ``ptr``), an argument of ATen operation ``op``, lives
+        outside the capture's pools: on the device, in a segment of another pool; on the host,
+        pinned memory that a copy reads by address (other operations take host values)."""
+        kind = t.device.type
+        if kind == "cpu":
+            return op in _HOST_COPIES and t.is_pinned()
+        if kind != "cuda":
+            return False
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return False
+        _, end, own = self._ranges[i]
+        return ptr < end and not own
 
 
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,18 @@ evicted key (:meth:`StitchedCache.drop`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bcg import cudart
-from bcg.capture import capture_lock
 from bcg.lru import Lru
+from bcg.process import on_release
 
 log = logging.getLogger("bcg")
 
@@ -35,6 +36,12 @@ log = logging.getLogger("bcg")
 class _Executable:
     handle: int
     parts: tuple[Hashable, ...]  # the variant entries it was built from
+    free: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # destroyed when dropped or collected, never during a capture (an executable still in
+        # flight is freed by CUDA once it completes)
+        self.free = on_release(self, functools.partial(cudart.exec_destroy, self.handle))
 
 
 class StitchedCache:
@@ -76,12 +83,8 @@ class StitchedCache:
                 handle = self._update_oldest(key, template, parts)
                 if handle is not None:
                     return handle
-            victims = self._lru.over(lambda k: False, room=1)
-            if victims:
-                with capture_lock():  # synchronizing would break another thread's capture
-                    torch.cuda.synchronize()  # a queued replay may still launch them
-                    for victim in victims:
-                        self._destroy(victim)
+            for victim in self._lru.over(lambda k: False, room=1):
+                self._destroy(victim)
             free = torch.cuda.mem_get_info()[0]
             t0 = time.perf_counter()
             handle = cudart.instantiate(template)
@@ -125,19 +128,19 @@ class StitchedCache:
         return found.handle
 
     def drop(self, part: Hashable) -> None:
-        """Destroy every executable built from the variant entry ``part`` (the caller synchronized)."""
+        """Destroy every executable built from the variant entry ``part``."""
         for key, exe in self._lru.items():
             if part in exe.parts:
                 self._destroy(key)
 
     def _destroy(self, key: Hashable) -> None:
-        """Destroy the executable of ``key`` (no launch of it may be queued: the caller synchronized)."""
+        """Drop the executable of ``key`` from the cache and destroy it (see :mod:`bcg.process`)."""
         exe = self._lru.pop(key)
         if exe is not None:
-            cudart.exec_destroy(exe.handle)
+            exe.free()
 
     def release(self) -> None:
-        """Destroy every executable (the caller synchronized)."""
+        """Destroy every executable."""
         for key, _ in self._lru.items():
             self._destroy(key)
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -60,13 +61,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg import cudart
 from bcg.breakpoint import BreakpointSpec, live, tensor_leaves
-from bcg.capture import capture_call, capture_lock
+from bcg.capture import capture_call
 from bcg.errors import VerificationError
 from bcg.lru import Lru
-from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.plan import BreakpointStep, SegmentStep, Step, breakpoint_tensors
 from bcg.pool import PoolHandle, graph_pool_handle
 from bcg.cudart import stream_readers
+from bcg.process import on_release, release_when_safe
 from bcg.stitch import StitchedCache
+from bcg.storages import HeldStorages
 
 log = logging.getLogger("bcg")
 
@@ -226,15 +229,26 @@ class KeyBook:
 
 @dataclasses.dataclass(eq=False)
 class Variant:
-    """One step's captured call: a ``torch.cuda.CUDAGraph`` (``nodes`` 0: it launches nothing)."""
+    """One step's captured call: a ``torch.cuda.CUDAGraph`` (``nodes`` 0: it launches nothing),
+    and the storages it reads outside its pools (held, see :mod:`bcg.storages`)."""
 
     graph: torch.cuda.CUDAGraph
     nodes: int
     uses_rng: bool | None = None  # learnt at the first launch, which goes through torch
+    held: HeldStorages | None = None
+    _free: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._free = on_release(self, self.graph.reset)  # when released or collected, never during a capture
 
     @property
     def graph_handle(self) -> int:
         return int(self.graph.raw_cuda_graph())
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release()
+        self._free()
 
 
 @dataclasses.dataclass(eq=False)
@@ -250,7 +264,7 @@ class VariantEntry:
 
     def release(self) -> None:
         for v in self.variants.values():
-            v.graph.reset()
+            v.release()
         self.variants.clear()
 
 
@@ -318,8 +332,11 @@ class VariantCache:
     """
 
     def __init__(self, plan: tuple[Step, ...] | list[Step], device: int | None, policy: VariantPolicy,
-                 on_retire: Callable[[], None] | None = None) -> None:
+                 on_retire: Callable[[], None] | None = None, alarm: list[Any] | None = None,
+                 graph_pool: PoolHandle | None = None) -> None:
         self.policy = policy
+        self._alarm = alarm if alarm is not None else []  # the graph's: where variants post suspects
+        self.graph_pool = graph_pool  # arguments and bridges live there: not held by variants
         self._on_retire = on_retire  # the graph rebuilds its executor: retired steps call fn directly
         self.device = device
         self.book = KeyBook(policy)
@@ -473,11 +490,13 @@ class VariantCache:
         before = torch.cuda.memory_reserved(self.device)
         try:
             with _WatchLiveTensors(storages) if storages else contextlib.nullcontext():
-                graph, nodes = capture_call(step.eager_launch, entry.pool, self.device)
+                graph, nodes, watch = capture_call(step.eager_launch, entry.pool, self.device, self.graph_pool)
         except Exception as exc:  # any refusal: the key stays eager
             self._fail(entry, exc)
             return
-        entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None)
+        held = watch.held(f"the variant of breakpoint {spec.name!r} for key {key!r}", self._alarm)
+        held.set_bcg_tensors(functools.partial(breakpoint_tensors, (step,)))
+        entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None, held=held)
         self._entries.add_bytes((spec, key), max(torch.cuda.memory_reserved(self.device) - before, 0))
         st.captures += 1
 
@@ -497,17 +516,26 @@ class VariantCache:
 
     def _free(self, entries: list[VariantEntry], empty_cache: bool = True) -> None:
         """Release ``entries``' variants and the stitched executables built from them; the pools
-        go back to the driver (``empty_cache``). Under the capture lock (synchronizing and
-        freeing would break another thread's capture), after a synchronize (a queued replay may
-        still launch them)."""
-        with capture_lock():
-            torch.cuda.synchronize(self.device)
+        go back to the driver (``empty_cache``). The executables leave the cache now; the
+        freeing runs after a synchronize (a queued replay may still launch them), once no
+        capture is underway (see :mod:`bcg.process`)."""
+        if self.stitched is not None:
             for entry in entries:
-                if self.stitched is not None:
-                    self.stitched.drop((entry.spec, entry.key))
+                self.stitched.drop((entry.spec, entry.key))
+        for entry in entries:
+            for v in entry.variants.values():
+                if v.held is not None:
+                    v.held.release()  # not read any more: stop checking them
+        device = self.device
+
+        def free() -> None:
+            torch.cuda.synchronize(device)
+            for entry in entries:
                 entry.release()
             if empty_cache:
                 torch.cuda.empty_cache()
+
+        release_when_safe(free)
 
     def _pop(self, keys: list[tuple[BreakpointSpec, Hashable]]) -> list[VariantEntry]:
         return [e for e in (self._entries.pop(k) for k in keys) if e is not None]

@@ -10,6 +10,7 @@ being closed, and must replay correctly after any other mode's replay.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,6 +118,20 @@ def _stitch_costs(variants: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _held_check(graph: bcg.BreakableGraph) -> dict[str, Any]:
+    """Row fields: the storages the graph holds outside its pool, and the host cost of the check
+    every replay makes first (``graph.check_held``; median over 5 rounds of 2000 calls, in us)."""
+    check = graph.check_held
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            check()
+        rounds.append((time.perf_counter() - t0) / 2000 * 1e6)
+    stats = graph.stats()
+    return {"held_storages": stats.held_storages, "held_check_us": statistics.median(rounds)}
+
+
 def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
     """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
     fn = forward_of(case, case.bp, compiled)
@@ -137,7 +152,8 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
         run=run,
         capture_s=stats.capture_s,
         pool_bytes=stats.pool_bytes,
-        info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
+        info={"executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints,
+              **_held_check(graph)},
         close=graph.reset,
         host=True,
     )
@@ -205,7 +221,8 @@ def _bcg_runner(
         run=run,
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
-        info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints},
+        info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints,
+              **_held_check(graph)},
         close=runner.reset,
         measure=_runner_measures(runner.stats, staged=staged, keyed=keyed) if staged or keyed else None,
         host=True,
@@ -373,6 +390,37 @@ def build_bcg_compile(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
     return _bcg_staged(case, ctx, compiled=False)
+
+
+def _bcg_staged_variant(case: Case, ctx: BuildContext, name: str) -> Built:
+    variant = case.staged.staged_variants.get(name) if case.staged is not None else None
+    if variant is None:
+        raise NotApplicable(f"{case.label} has no staged breakpoint here")
+    return _bcg_runner(variant, ctx, None, staged=True)
+
+
+@register_mode("bcg-staged-first", help="bcg-staged with prepare before the launch (a knob measured)")
+def build_bcg_staged_first(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged_variant(case, ctx, "first")
+
+
+@register_mode("bcg-staged-simple", help="bcg-staged with prepare before the launch and plain captured copies "
+               "(no gated-copy kernel; a knob measured)")
+def build_bcg_staged_simple(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged_variant(case, ctx, "simple")
+
+
+@register_mode("bcg-staged-notiers", help="bcg-staged without staged tiers (a knob measured)")
+def build_bcg_staged_notiers(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged_variant(case, ctx, "notiers")
+
+
+@register_mode("bcg-staged-python", help="bcg-staged with use_executor('python') (a knob measured)",
+               available=_native_reason)
+def build_bcg_staged_python(case: Case, ctx: BuildContext) -> Built:
+    if case.staged is None:
+        raise NotApplicable(f"{case.label} has no staged breakpoint here")
+    return _bcg_runner(case.staged, ctx, "python", staged=True)
 
 
 @register_mode(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import bcg
+from bcg.torch_internals import clear_cublas_workspaces
 from bcg.bench.case import Case
 
 #: The modules whose import registers modes, in the order their modes run.
@@ -119,13 +120,20 @@ class NotApplicable(Exception):
 
 
 def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int, live: Any) -> torch.cuda.Stream:
-    """Run ``fn`` ``n`` times on a fresh side stream (as before any CUDA graph capture)."""
+    """Run ``fn`` ``n`` times on a fresh side stream (as before any CUDA graph capture); return it.
+
+    Torch's cached cuBLAS workspaces are dropped after the warm-up, so that the capture on
+    that stream allocates its own inside the capture, in its own pool: otherwise it would
+    replay the warm-up's eager workspace, which the clears of other captures in this process
+    (bcg's, Inductor's) hand back to the allocator (see :mod:`bcg.torch_internals`).
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), bcg.live_scope(live):
         for _ in range(n):
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
+    clear_cublas_workspaces()
     return stream
 
 

@@ -20,12 +20,13 @@ from torch.utils import _pytree as pytree
 
 from bcg.breakpoint import UNSET, live_scope, recording
 from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
-from bcg.capture import capture, capture_fallback, capture_lock, capture_stream
+from bcg.capture import capture, capture_fallback
 from bcg.distributed import CaptureVote, RankAgreement
 from bcg.variants import VariantPolicy
 from bcg.errors import BcgError, CaptureError, ReplayError, add_note
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
+from bcg.process import capture_lock, capture_stream
 from bcg.cudart import stream_readers
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims

@@ -483,12 +483,19 @@ class LlamaModel:
             self._compiled = self.regions.compiled()
         return self._compiled
 
-    def staged_attention(self, slots: int, after_launch: bool = True) -> StagedAttention:
+    def staged_attention(self, slots: int, after_launch: bool = True, gate: bool = True) -> StagedAttention:
         """The staged attentions over ``slots`` request slots on this model's device (made once
-        per ``slots`` and ``after_launch``)."""
-        key = (slots, after_launch)
+        per ``slots``, ``after_launch`` and ``gate``; ``gate=False``: its buffer is copied by a
+        plain captured copy, never behind the gated-copy kernel: a knob measured, see modes)."""
+        key = (slots, after_launch, gate)
         if key not in self._staged:
-            self._staged[key] = StagedAttention(slots, self.device, after_launch)
+            if gate:
+                self._staged[key] = StagedAttention(slots, self.device, after_launch)
+            else:
+                from unittest import mock
+
+                with mock.patch.object(bcg.gate, "kernel", lambda device: None):
+                    self._staged[key] = StagedAttention(slots, self.device, after_launch)
         return self._staged[key]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
@@ -834,14 +841,23 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
-        staged = model.staged_attention(args.slots, after_launch(args))
-        case.staged = dataclasses.replace(
-            case,
-            bp=staged.breakpoints[attn],
-            live=Batch(lengths),
-            new_live=lambda: Batch(lengths),
-            live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args)),
-        )
+        def staged_case(after: bool, gate: bool = True, tiers: bool = True) -> Case:
+            staged = model.staged_attention(args.slots, after, gate)
+            return dataclasses.replace(
+                case,
+                bp=staged.breakpoints[attn],
+                live=Batch(lengths),
+                new_live=lambda: Batch(lengths),
+                live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args) if tiers else ()),
+            )
+
+        case.staged = staged_case(after_launch(args))
+        # the same without one knob each (modes bcg-staged-first, -simple, -notiers)
+        case.staged_variants = {
+            "first": staged_case(False),
+            "simple": staged_case(False, gate=False),
+            "notiers": staged_case(after_launch(args), tiers=False),
+        }
     return case
 
 

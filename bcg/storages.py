@@ -1,0 +1,247 @@
+"""Held storages: the memory a graph's captured kernels read, kept alive, and checked at replay.
+
+A CUDA graph replays raw addresses. If a tensor it read at capture is freed
+(a weight rebound to a new tensor, a cache reallocated), a replay would read
+whatever lives there now. So, while a segment is captured, a dispatch mode
+(:class:`StorageWatch`) looks at every ATen operation's tensor arguments and
+keeps each storage that lives outside the graph's own pool (weights, caches,
+static inputs, pinned host buffers): the graph holds it until ``reset()``,
+and no replay reads freed memory.
+
+Holding the old storage makes a replaced tensor a *silent* error instead: the
+graph would keep computing with the old values. So the watch also keeps weak
+references to the tensor objects through which the capture reached each
+storage (the operation's argument and its ``_base``; in a ``torch.compile``'d
+region, the region's inputs that Inductor's generated code views). When all of them are gone, the storage becomes a
+*suspect*; the next replay asks its reference count whether anything besides
+the graph still holds it, and raises :class:`bcg.StaleTensorError` if not.
+A replay with no suspect pays one list check.
+
+What it cannot see: memory a kernel reaches without an ATen operation taking
+the tensor as an argument -- raw pointers handed to Triton kernels or C++/CUDA
+extensions (inside ``torch.compile``'d regions, tensors only Inductor's Triton
+kernels read), device pointers stored in other tensors, host memory behind
+raw pointers. Keep such tensors alive yourself, and update them in place.
+Tensors passed to a breakpoint are held by the graph itself (the breakpoint
+gets the same objects at every replay), and so are the tensors they are views
+of: replacing one of those is not detected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bcg.errors import StaleTensorError
+from bcg.torch_internals import storage_use_count
+
+log = logging.getLogger("bcg")
+
+_MAX_WATCHERS = 8  # tensor objects watched per storage
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def _user_frame() -> FrameType | None:
+    """The innermost frame outside torch and bcg (the user's code, or Inductor's generated code)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+    return frame
+
+
+class _Storage:
+    """One storage a capture read: held strongly, with weak references to the tensors that reach it."""
+
+    __slots__ = ("storage", "ptr", "what", "where", "_refs", "_on_gone", "_bcg_refs")
+
+    def __init__(self, storage: torch.UntypedStorage, t: torch.Tensor, op: str) -> None:
+        self.storage = storage
+        self.ptr = storage.data_ptr()
+        self.what = f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        frame = _user_frame()
+        self.where = op
+        if frame is not None:
+            self.where = f"{op} at {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if "reinterpret_tensor" in frame.f_globals:
+                # Inductor's generated code hands library kernels views it makes without an ATen
+                # operation; the tensors they view are the compiled region's inputs, its locals.
+                for value in list(frame.f_locals.values()):
+                    if isinstance(value, torch.Tensor) and value is not t and _ptr(value) == self.ptr:
+                        self.watch(value)
+        self._on_gone: Callable[[_Storage], None] | None = None
+        self._bcg_refs: int | None = None
+
+    def watch(self, t: torch.Tensor) -> None:
+        if len(self._refs) < _MAX_WATCHERS and id(t) not in self._refs:
+            self._refs[id(t)] = weakref.ref(t)
+        base = t._base
+        if base is not None and len(self._refs) < _MAX_WATCHERS and id(base) not in self._refs:
+            self._refs[id(base)] = weakref.ref(base)
+
+    def arm(self, on_gone: Callable[[_Storage], None]) -> bool:
+        """Watch the tensors still alive (the capture's temporaries are gone): ``on_gone(self)``
+        runs once all of them are collected. Returns False when none is alive."""
+        alive = [t for t in (r() for r in self._refs.values()) if t is not None]
+        self._on_gone = on_gone
+        self._refs = {id(t): weakref.ref(t, self._gone) for t in alive}
+        return bool(alive)
+
+    def _gone(self, _ref: object) -> None:
+        """A watched tensor was collected (on whichever thread dropped it): post once none is left."""
+        on_gone = self._on_gone
+        if on_gone is not None and all(r() is None for r in list(self._refs.values())):
+            self._on_gone = None
+            on_gone(self)
+
+    def disarm(self) -> None:
+        self._on_gone = None
+        self._refs = {}
+
+    def held_elsewhere(self, bcg_tensors: Callable[[], Iterable[torch.Tensor]]) -> bool:
+        """Whether anything besides bcg (this hold, and the tensors bcg holds itself) holds the storage."""
+        if self._bcg_refs is None:
+            self._bcg_refs = len({id(t) for t in bcg_tensors() if _ptr(t) == self.ptr})
+        return storage_use_count(self.storage) - 1 - self._bcg_refs > 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return -1
+
+
+class HeldStorages:
+    """The storages one capture read outside its pool: held, and checked at replay.
+
+    Arguments:
+        storages: what the capture's :class:`StorageWatch` kept.
+        where: what read them, for errors ("graph segments", "the variant of ...").
+        alarm: where suspects are posted; a graph shares one list between its
+            own holds and its variants', and a replay checks it is empty.
+    """
+
+    def __init__(self, storages: list[_Storage], where: str, alarm: list[Any]) -> None:
+        self._storages = storages
+        self.where = where
+        self.alarm = alarm
+        self._bcg_tensors: Callable[[], Iterable[torch.Tensor]] = tuple
+        for s in storages:
+            if not s.arm(self._post):
+                self._post(s)  # reached only through temporaries: checked at every replay
+
+    def __len__(self) -> int:
+        return len(self._storages)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.storage.nbytes() for s in self._storages)
+
+    def set_bcg_tensors(self, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """The tensors bcg itself holds (breakpoint arguments): they do not count as holders."""
+        self._bcg_tensors = tensors
+
+    def _post(self, storage: _Storage) -> None:
+        self.alarm.append((self, storage))
+
+    def release(self) -> None:
+        """Stop watching and drop the storages (the graph is being freed)."""
+        for s in self._storages:
+            s.disarm()
+        self.alarm[:] = [(h, s) for h, s in list(self.alarm) if h is not self]
+        self._storages = []
+
+
+def check_alarm(alarm: list[tuple[HeldStorages, _Storage]]) -> None:
+    """Raise :class:`bcg.StaleTensorError` for a posted storage nothing but bcg holds any more.
+
+    Storages still held elsewhere stay posted (checked again at the next replay).
+    """
+    for held, s in list(alarm):
+        if not s.held_elsewhere(held._bcg_tensors):
+            raise StaleTensorError(
+                f"bcg: this replay would read a replaced tensor: {s.what}, read by {held.where} "
+                f"(first used by the capture in {s.where}), is no longer referenced by anything but "
+                "this graph. The graph keeps its memory alive, so a replay would compute with the old "
+                "values. Copy new values into the captured tensor in place (old.copy_(new)) instead of "
+                "replacing it, keep a reference to it for as long as the graph replays, or reset() the "
+                "graph and capture again. Nothing was launched."
+            )
+
+
+class StorageWatch(TorchDispatchMode):
+    """During a capture: the storages outside the graph's pool that captured ATen operations read.
+
+    Arguments:
+        external: ``external(op, tensor, storage_ptr)``: whether the storage,
+            an argument of ``op``, lives outside the capture's own pools (see
+            :class:`bcg.pool.SegmentMap`).
+        recording: whether the operations running now are being captured
+            (False while a breakpoint runs eagerly between segments).
+    """
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # Dynamo runs torch.compile'd code eagerly under any dispatch mode that is not an infra
+        # mode; this one only looks, so compiled regions stay compiled while it watches.
+        return True
+
+    def __init__(self, external: Callable[[Any, torch.Tensor, int], bool], recording: Callable[[], bool]) -> None:
+        super().__init__()
+        self._external = external
+        self._recording = recording
+        self._held: dict[int, _Storage] = {}
+        self._skip: set[int] = set()
+        self.unseen = 0  # tensor arguments without a storage bcg can hold (wrapper subclasses)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self._recording():
+            self._see(func, args)
+            if kwargs:
+                self._see(func, kwargs.values())
+        return func(*args, **kwargs)
+
+    def _see(self, func: Any, values: Iterable[Any]) -> None:
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                self._see_tensor(func, value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor):
+                        self._see_tensor(func, item)
+
+    def _see_tensor(self, func: Any, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            self.unseen += 1
+            return
+        ptr = storage.data_ptr()
+        if ptr in self._skip:
+            return
+        held = self._held.get(ptr)
+        if held is None:
+            if not ptr or not self._external(func, t, ptr):
+                if t.device.type != "cpu":  # (a host tensor is asked again: only a copy reads it)
+                    self._skip.add(ptr)
+                return
+            held = self._held[ptr] = _Storage(storage, t, str(func))
+        held.watch(t)
+
+    def held(self, where: str, alarm: list[Any]) -> HeldStorages:
+        """What the capture read outside its pools, held from now on (the watch is done)."""
+        out = HeldStorages(list(self._held.values()), where, alarm)
+        self._held, self._skip = {}, set()
+        if self.unseen:
+            log.debug("bcg: %s: %d tensor argument(s) without a storage bcg can hold", where, self.unseen)
+        return out

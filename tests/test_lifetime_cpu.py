@@ -1,0 +1,219 @@
+"""Lifetime rules that need no GPU: frees deferred while a capture runs (bcg.process), and the
+storages a capture read, held and checked at replay (bcg.storages)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from bcg.errors import StaleTensorError
+from bcg.process import CaptureLock, on_release
+from bcg.storages import StorageWatch, check_alarm
+
+
+# -- frees that wait for captures ------------------------------------------------------------------
+
+
+def test_a_free_runs_at_once_when_no_capture_runs() -> None:
+    lock, ran = CaptureLock(), []
+    lock.release_when_safe(lambda: ran.append(1))
+    assert ran == [1] and lock.deferred == 0
+
+
+def test_a_free_asked_for_inside_this_threads_capture_runs_when_it_ends() -> None:
+    lock, ran = CaptureLock(), []
+    with lock:
+        lock.capturing += 1
+        with lock:  # nested holds (the runner's, make_graph's)
+            lock.release_when_safe(lambda: ran.append("a"))
+            lock.release_when_safe(lambda: ran.append("b"))
+        assert ran == [] and lock.deferred == 2
+        lock.capturing -= 1
+        assert ran == []  # still held: runs at the outermost release
+    assert ran == ["a", "b"] and lock.deferred == 0
+
+
+def test_a_free_from_another_thread_waits_for_the_holder_and_runs_on_its_thread() -> None:
+    lock = CaptureLock()
+    ran: list[str] = []
+    held, asked = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            lock.capturing += 1
+            held.set()
+            asked.wait(10)
+            assert ran == []
+            lock.capturing -= 1
+        ran.append("released")
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    lock.release_when_safe(lambda: ran.append(threading.current_thread().name))
+    asked.set()
+    t.join(10)
+    assert ran == [t.name, "released"]
+
+
+def test_a_free_that_raises_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    lock, ran = CaptureLock(), []
+
+    def boom() -> None:
+        raise RuntimeError("sticky CUDA error")
+
+    with lock:
+        lock.capturing += 1
+        lock.release_when_safe(boom)
+        lock.release_when_safe(lambda: ran.append(1))
+        lock.capturing -= 1
+    assert ran == [1]
+    assert "deferred free" in caplog.text
+
+
+def test_every_deferred_free_runs_once_under_contention() -> None:
+    lock = CaptureLock()
+    counts = [0] * 400
+    stop = threading.Event()
+
+    def capturer() -> None:
+        while not stop.is_set():
+            with lock:
+                lock.capturing += 1
+                lock.capturing -= 1
+
+    def dropper(base: int) -> None:
+        for i in range(100):
+            lock.release_when_safe(lambda k=base + i: counts.__setitem__(k, counts[k] + 1))
+
+    threads = [threading.Thread(target=capturer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    droppers = [threading.Thread(target=dropper, args=(100 * j,)) for j in range(4)]
+    for t in droppers:
+        t.start()
+    for t in droppers:
+        t.join(30)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    with lock:
+        pass  # the last queued frees, if a holder left before they were queued
+    assert counts == [1] * 400
+
+
+def test_on_release_frees_a_collected_owner_once_and_explicitly_once() -> None:
+    freed: list[str] = []
+
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    fa = on_release(a, lambda: freed.append("a"))
+    on_release(b, lambda: freed.append("b"))
+    fa()
+    fa()
+    del a
+    gc.collect()
+    assert freed == ["a"]
+    b.cycle = b  # type: ignore[attr-defined]
+    del b
+    gc.collect()
+    assert freed == ["a", "b"]
+
+
+# -- held storages ----------------------------------------------------------------------------------
+
+
+def _watch() -> StorageWatch:
+    return StorageWatch(lambda op, t, ptr: True, recording=lambda: True)
+
+
+def _capture(fn, *args):  # type: ignore[no-untyped-def]
+    """Run ``fn`` under a watch as a capture would; return the held storages and their alarm."""
+    watch = _watch()
+    with watch:
+        out = fn(*args)
+    alarm: list = []
+    return watch.held("the test's segments", alarm), alarm, out
+
+
+def test_a_rebound_tensor_is_reported_with_its_shape_dtype_and_first_use() -> None:
+    weights = {"w": torch.randn(16, 8)}
+    x = torch.randn(4, 16)
+    held, alarm, _ = _capture(lambda a: a @ weights["w"], x)
+    assert len(held) == 2  # x and the weight
+    check_alarm(alarm)  # nothing replaced yet
+    weights["w"].copy_(torch.randn(16, 8))  # in place: the graph stays right
+    check_alarm(alarm)
+    weights["w"] = torch.randn(16, 8)  # rebound: only the graph holds the old storage
+    with pytest.raises(StaleTensorError) as err:
+        check_alarm(alarm)
+    text = str(err.value)
+    assert "torch.float32 tensor of shape (16, 8)" in text and "aten.mm" in text
+    assert "test_lifetime_cpu.py" in text and "copy_" in text and "reset()" in text
+
+
+def test_a_storage_still_held_elsewhere_is_not_reported() -> None:
+    base = torch.randn(32)
+    view = base[:16].view(4, 4)
+    x = torch.randn(2, 4)
+    keep = {"base": base}
+    held, alarm, _ = _capture(lambda a, v: a @ v, x, view)
+    del base
+    view = None  # noqa: F841 - the only watched objects go; the storage lives on in `keep`
+    gc.collect()
+    check_alarm(alarm)  # posted, but the base still holds the storage
+    keep.clear()
+    with pytest.raises(StaleTensorError):
+        check_alarm(alarm)
+
+
+def test_tensors_bcg_holds_itself_do_not_count_as_holders() -> None:
+    cache = {"k": torch.randn(8, 8)}
+    x = torch.randn(8, 8)
+    held, alarm, _ = _capture(lambda a: a + cache["k"], x)
+    storage = cache["k"].untyped_storage()
+    alias = torch.empty(0).set_(storage, 0, (4, 8), (8, 1))  # held as a breakpoint step holds an argument
+    del storage
+    held.set_bcg_tensors(lambda: [alias])
+    cache.clear()
+    gc.collect()
+    with pytest.raises(StaleTensorError):
+        check_alarm(alarm)
+
+
+def test_nothing_is_held_while_not_recording_and_release_stops_the_checks() -> None:
+    w = {"w": torch.randn(4, 4)}
+    watch = StorageWatch(lambda op, t, ptr: True, recording=lambda: False)
+    with watch:
+        torch.randn(2, 4) @ w["w"]
+    assert len(watch.held("x", [])) == 0
+    held, alarm, _ = _capture(lambda: torch.ones(2, 4) @ w["w"])
+    w.clear()
+    gc.collect()
+    assert alarm
+    held.release()
+    assert not alarm
+    check_alarm(alarm)
+
+
+def test_compiled_code_stays_compiled_under_the_watch_and_its_inputs_are_found() -> None:
+    from torch._dynamo.utils import counters
+
+    lin = torch.nn.Linear(32, 32, bias=False)
+    compiled = torch.compile(lambda a: torch.nn.functional.linear(a, lin.weight).relu())
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        expected = compiled(x)
+        graphs = counters["stats"]["unique_graphs"]
+        held, alarm, out = _capture(compiled, x)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    torch.testing.assert_close(out, expected)
+    check_alarm(alarm)  # the weight, reached through Inductor's view, is watched through the module
+    lin.weight = torch.nn.Parameter(torch.randn(32, 32))
+    with pytest.raises(StaleTensorError):
+        check_alarm(alarm)

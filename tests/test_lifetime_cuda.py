@@ -1,0 +1,392 @@
+"""Graphs that stay right for the life of a process (GPU).
+
+1. Nothing outside a graph frees memory its replay uses: Inductor's CUDA graphs, torch's
+   cuBLAS workspace clears, ``torch.cuda.graph`` captures, other graphs' resets and
+   ``empty_cache`` leave every bcg graph right, whichever was captured first.
+2. Graphs, runners and keyed variants dropped on one thread never break another thread's
+   capture, in either capture mode.
+3. A replaced tensor is never read silently: a replay raises :class:`bcg.StaleTensorError`.
+
+Each test can fail on a bcg that gets these wrong: the first kind with an illegal address
+(which poisons the CUDA context: run such a bcg one test per process).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import bcg
+
+from .threads import run_in_threads
+
+pytestmark = pytest.mark.cuda
+
+N = 2048
+
+
+def _clear_cublas() -> None:
+    torch._C._cuda_clearCublasWorkspaces()  # what Inductor's CUDA graph trees do around recordings
+
+
+def _model() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """``fwd(a)``: a matmul, a breakpoint, a matmul; and its eager twin; and the weight."""
+    w = torch.randn(N, N, device="cuda") / N**0.5
+
+    @bcg.breakpoint(mutates="h")
+    def touch(h: torch.Tensor) -> None:
+        h.mul_(1.0)
+
+    def fwd(a: torch.Tensor) -> torch.Tensor:
+        h = a @ w
+        touch(h)
+        return (h @ w).tanh()
+
+    def eager(a: torch.Tensor) -> torch.Tensor:
+        return ((a @ w) @ w).tanh()
+
+    return fwd, eager, w
+
+
+def _fill_memory(count: int = 96) -> list[torch.Tensor]:
+    """New 4 MiB tensors holding a known value: they take whatever memory went back."""
+    return [torch.full((1 << 20,), float(i), device="cuda") for i in range(count)]
+
+
+def _assert_untouched(blocks: list[torch.Tensor]) -> None:
+    torch.cuda.synchronize()
+    for i, t in enumerate(blocks):
+        assert bool((t == float(i)).all()), f"tensor {i} allocated after the capture was overwritten"
+
+
+_INDUCTOR: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _inductor(w: torch.Tensor, calls: int = 4, rows: int = 512) -> None:
+    """Inductor's own CUDA graphs (cudagraph trees), recorded and replayed."""
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        pytest.skip("torch.compile(mode='reduce-overhead') needs Triton")
+    w2 = w.clone()
+    f = torch.compile(lambda a: (a @ w2).relu() @ w2, mode="reduce-overhead")
+    for _ in range(calls):
+        x = torch.randn(rows, N, device="cuda")
+        out = f(x)
+        torch.testing.assert_close(out, ((x @ w2).relu() @ w2), rtol=2e-2, atol=2e-2)
+    torch.cuda.synchronize()
+
+
+def _torch_graph_between_clears(w: torch.Tensor) -> None:
+    _clear_cublas()
+    a = torch.randn(256, N, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a @ w  # warm up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        b = a @ w
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(b, a @ w)
+    _clear_cublas()
+    del g
+
+
+def _clear_and_empty(w: torch.Tensor) -> None:
+    _clear_cublas()
+    torch.cuda.empty_cache()
+
+
+def _sibling_reset(w: torch.Tensor) -> None:
+    fwd, _, _ = _model()
+    sibling = bcg.make_graph(fwd, torch.randn(512, N, device="cuda"))
+    sibling.reset()
+    torch.cuda.empty_cache()
+
+
+def _empty_cache(w: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+OTHERS = {
+    "inductor": _inductor,
+    "torch-graph-between-clears": _torch_graph_between_clears,
+    "clear-and-empty-cache": _clear_and_empty,
+    "sibling-reset": _sibling_reset,
+    "empty-cache": _empty_cache,
+}
+
+
+@pytest.mark.parametrize("order", ["bcg-first", "other-first"])
+@pytest.mark.parametrize("other", sorted(OTHERS))
+def test_a_graph_survives_what_others_do_to_workspaces_and_the_cache(other: str, order: str) -> None:
+    """The repro of the lifetime issue: a bcg graph, then (or before it) whatever else runs in a
+    server process, then new allocations that take any memory that went back; the graph
+    must stay right and write nothing outside its own memory."""
+    torch.manual_seed(0)
+    _clear_cublas()  # a fresh start: the workspace a warm-up on the capture stream makes is new
+    fwd, eager, w = _model()
+    x = torch.randn(512, N, device="cuda")
+    act = OTHERS[other]
+    if order == "other-first":
+        act(w)
+    g = bcg.make_graph(fwd, x)
+    torch.testing.assert_close(g.replay(), eager(x))
+    act(w)
+    if other == "inductor":
+        _inductor(w, calls=2, rows=256)  # recordings after the graph too (a new shape)
+    blocks = _fill_memory()
+    for _ in range(3):
+        x.copy_(torch.randn(512, N, device="cuda"))
+        out = g.replay()
+        torch.testing.assert_close(out, eager(x))
+    _assert_untouched(blocks)
+    g.reset()
+
+
+def test_graphs_captured_on_one_stream_do_not_share_a_workspace() -> None:
+    """Two graphs replayed at once on two streams (the pytorch#193402 class): each has its own
+    cuBLAS workspace, so both are right. Long, thin matmuls make cuBLAS split K through it."""
+    torch.manual_seed(1)
+
+    def model() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        w1 = torch.randn(16384, 256, device="cuda") / 128
+        w2 = torch.randn(256, 16384, device="cuda") / 16
+
+        @bcg.breakpoint(mutates="h")
+        def touch(h: torch.Tensor) -> None:
+            h.mul_(1.0)
+
+        def fwd(a: torch.Tensor) -> torch.Tensor:
+            h = a @ w1
+            touch(h)
+            return (h @ w2) @ w1
+
+        return fwd, lambda a: ((a @ w1) @ w2) @ w1
+
+    (fwd_a, eager_a), (fwd_b, eager_b) = model(), model()
+    xa, xb = torch.randn(64, 16384, device="cuda"), torch.randn(64, 16384, device="cuda")
+    ga, gb = bcg.make_graph(fwd_a, xa), bcg.make_graph(fwd_b, xb)
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    for _ in range(20):
+        xa.copy_(torch.randn(64, 16384, device="cuda"))
+        xb.copy_(torch.randn(64, 16384, device="cuda"))
+        sa.wait_stream(torch.cuda.current_stream())
+        sb.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(sa):
+            oa = ga.replay()
+        with torch.cuda.stream(sb):
+            ob = gb.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(oa, eager_a(xa))
+        torch.testing.assert_close(ob, eager_b(xb))
+    ga.reset()
+    gb.reset()
+
+
+# -- 2. threads ---------------------------------------------------------------------------------------
+
+
+def _thread_model(seed: int) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], torch.Tensor]:
+    """A forward with many small kernels (captures take a while) and a breakpoint."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ws = [torch.randn(256, 256, device="cuda", generator=gen) / 16 for _ in range(4)]
+
+    @bcg.breakpoint(mutates="h")
+    def scale(h: torch.Tensor) -> None:
+        h.mul_(float(bcg.live({"s": 1.0})["s"]))
+
+    def body(a: torch.Tensor, bp: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        h = a
+        for i in range(40):
+            h = torch.tanh(h @ ws[i % 4]) + 0.5 * h
+            if i == 20:
+                bp(h)
+        return h
+
+    def fwd(a: torch.Tensor) -> torch.Tensor:
+        return body(a, scale)
+
+    def eager(a: torch.Tensor, s: float) -> torch.Tensor:
+        return body(a, lambda h: h.mul_(s))
+
+    return fwd, eager, torch.randn(64, 256, device="cuda", generator=gen)
+
+
+def _keyed_model(seed: int) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(256, 256, device="cuda", generator=gen) / 16
+
+    @bcg.breakpoint(mutates="h", key=lambda live: live["n"])
+    def head(h: torch.Tensor) -> None:
+        n = bcg.live()["n"]
+        h[:n].mul_(2.0)
+
+    def fwd(a: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(a @ w)
+        head(h)
+        return h @ w
+
+    def eager(a: torch.Tensor, n: int) -> torch.Tensor:
+        h = torch.tanh(a @ w)
+        h[:n].mul_(2.0)
+        return h @ w
+
+    return fwd, eager, torch.randn(64, 256, device="cuda", generator=gen)
+
+
+def _one_round(kind: str, seed: int, mode: str, stream: torch.cuda.Stream) -> Callable[[], None]:
+    """Build (capture) one graph, runner or keyed graph, replay it on fresh inputs and compare;
+    return what to drop afterwards (the caller drops it, maybe while others capture)."""
+    if kind == "runner":
+        fwd, eager, x = _thread_model(seed)
+        runner = bcg.GraphRunner(fwd, [32, 64], example_inputs=(x,), capture_error_mode=mode,
+                                 progress=False, capture_live={"s": 1.0}, stream=stream)
+        runner.capture()
+        for T in (24, 64):
+            a = torch.randn(T, 256, device="cuda")
+            got = runner(a, live={"s": 0.5}).clone()
+            pad = torch.zeros(32 if T <= 32 else 64, 256, device="cuda")
+            pad[:T] = a
+            torch.testing.assert_close(got, eager(pad, 0.5)[:T], rtol=1e-4, atol=1e-4)
+        holder: object = runner
+    elif kind == "keyed":
+        fwd, eager, x = _keyed_model(seed)
+        g = bcg.make_graph(fwd, x, live={"n": 8}, stream=stream, capture_error_mode=mode,
+                           variants=bcg.VariantPolicy(max_variants=2, window=1000))
+        for n in (8, 16, 24, 8, 32, 16):  # captures variants and evicts them (two kept)
+            x.copy_(torch.randn(64, 256, device="cuda"))
+            torch.testing.assert_close(g.replay(live={"n": n}).clone(), eager(x, n), rtol=1e-4, atol=1e-4)
+        holder = g
+    else:
+        fwd, eager, x = _thread_model(seed)
+        g = bcg.make_graph(fwd, x, live={"s": 1.0}, stream=stream, capture_error_mode=mode)
+        for s in (0.5, 2.0):
+            x.copy_(torch.randn(64, 256, device="cuda"))
+            torch.testing.assert_close(g.replay(live={"s": s}).clone(), eager(x, s), rtol=1e-4, atol=1e-4)
+        if kind == "cycle":
+            g.cycle = g  # type: ignore[attr-defined] - freed by the cycle collector, not by reference counts
+        holder = g
+    torch.cuda.synchronize()
+    box = [holder]
+
+    def drop() -> None:
+        box.clear()
+        if kind == "cycle":
+            gc.collect()
+
+    return drop
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global"])
+def test_graphs_dropped_on_one_thread_never_break_another_threads_capture(mode: str) -> None:
+    """Threads build, replay, check and drop graphs, runners, keyed graphs (with evictions) and
+    graphs in reference cycles, over and over; the drops land while other threads capture.
+
+    As the README's contract says: in ``"thread_local"`` mode the threads synchronize and
+    allocate freely; in ``"global"`` mode they do that only outside other threads'
+    captures (here: under one lock around each build-and-check), but drop anywhere."""
+    kinds = ["graph", "runner", "keyed", "cycle"]
+    user_lock = threading.Lock() if mode == "global" else None
+    start = threading.Barrier(len(kinds))
+
+    def work(k: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            start.wait()
+            for i in range(12):
+                kind = kinds[(k + i) % len(kinds)]
+                if user_lock is not None:
+                    with user_lock:
+                        drop = _one_round(kind, 100 * k + i, mode, stream)
+                else:
+                    drop = _one_round(kind, 100 * k + i, mode, stream)
+                drop()  # outside the lock: while another thread captures
+
+    errors = run_in_threads(work, range(len(kinds)))
+    assert not errors, errors
+    assert gc.isenabled()
+    torch.cuda.synchronize()
+
+
+# -- 3. replaced tensors --------------------------------------------------------------------------------
+
+
+def _weight_graph(guards: bool) -> tuple[bcg.BreakableGraph, dict[str, torch.Tensor], torch.Tensor]:
+    weights = {"w": torch.randn(N, N, device="cuda") / N**0.5}
+
+    @bcg.breakpoint(mutates="h")
+    def touch(h: torch.Tensor) -> None:
+        h.add_(1.0)
+
+    def fwd(a: torch.Tensor) -> torch.Tensor:
+        h = a @ weights["w"]
+        touch(h)
+        return h @ weights["w"]
+
+    x = torch.randn(256, N, device="cuda")
+    return bcg.make_graph(fwd, x, guards=guards), weights, x
+
+
+def _expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w + 1.0) @ w
+
+
+@pytest.mark.parametrize("guards", [False, True])
+def test_a_weight_replaced_in_place_is_read_and_a_rebound_one_is_refused(guards: bool) -> None:
+    g, weights, x = _weight_graph(guards)
+    torch.testing.assert_close(g.replay(), _expected(x, weights["w"]))
+    weights["w"].copy_(torch.randn(N, N, device="cuda") / N**0.5)  # in place: the graph follows
+    x.copy_(torch.randn(256, N, device="cuda"))
+    torch.testing.assert_close(g.replay(), _expected(x, weights["w"]))
+
+    old_ptr = weights["w"].data_ptr()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    weights["w"] = torch.randn(N, N, device="cuda") / N**0.5  # rebound: the old storage is dropped
+    gc.collect()
+    # the graph still holds the old weight: nothing it reads went back to the allocator
+    assert torch.cuda.memory_allocated() >= allocated + weights["w"].nbytes
+    fresh = torch.empty(N, N, device="cuda")
+    assert fresh.data_ptr() != old_ptr
+    with pytest.raises(bcg.ReplayError, match="replaced tensor") as err:
+        g.replay()
+    assert type(err.value).__name__ == "StaleTensorError"
+    message = str(err.value)
+    assert f"shape ({N}, {N})" in message and "torch.float32" in message and "aten.mm" in message
+    assert "test_lifetime_cuda.py" in message and "copy_" in message and "reset()" in message
+    del err  # (its traceback holds the old weight)
+    with pytest.raises(bcg.ReplayError):  # refused every time, and nothing launched
+        g.replay()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    g.reset()  # the old weight goes with the graph
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before - N * N * 4
+
+
+def test_a_graph_keeps_a_tensor_its_caller_dropped_and_reports_it() -> None:
+    """A temporary the captured kernels read, dropped right after the capture (torch.cuda.graph
+    would read freed memory): bcg keeps it, and says so instead of replaying silently."""
+
+    def build() -> tuple[bcg.BreakableGraph, torch.Tensor]:
+        bias = torch.randn(N, device="cuda")
+        x = torch.randn(64, N, device="cuda")
+        graph = bcg.BreakableGraph()
+        x + bias  # warm up
+        with bcg.capture(graph):
+            y = x + bias
+        return graph, y
+
+    graph, _ = build()
+    _fill_memory(8)
+    with pytest.raises(bcg.ReplayError, match="replaced tensor"):
+        graph.replay()
+    graph.reset()
