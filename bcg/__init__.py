@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from bcg.breakpoint import breakpoint, graph_break
+from bcg.core.breakpoint import breakpoint, graph_break
 from bcg.capture import capture, switchable
-from bcg.debug import GuardError
+from bcg.core.debug import GuardError
 from bcg.errors import (
     BcgError,
     BreakpointOutputMismatch,
@@ -27,13 +27,13 @@ from bcg.errors import (
     VerificationError,
 )
 from bcg.graph import BreakableGraph, GraphStats
-from bcg.staging import StagedTiers, StagingBuffer
-from bcg.variants import VariantPolicy
-from bcg.distributed import RankAgreement
-from bcg.breakpoint import live, live_scope
+from bcg.staged.staging import StagedTiers, StagingBuffer
+from bcg.keyed.variants import VariantPolicy
+from bcg.distributed.agreement import RankAgreement
+from bcg.core.breakpoint import live, live_scope
 from bcg.make_graph import make_graph
-from bcg.pool import graph_pool_handle
-from bcg.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
+from bcg.core.pool import graph_pool_handle
+from bcg.runner.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
 from bcg.runner import GraphRunner
 from bcg.verify import VerifyReport, verify
 

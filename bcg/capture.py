@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg import cudart
-from bcg.breakpoint import (
+from bcg.core import cudart
+from bcg.core.breakpoint import (
     ACTIVE,
     UNSET,
     BreakpointSpec,
@@ -33,10 +33,10 @@ from bcg.breakpoint import (
     set_live,
     tensor_leaves,
 )
-from bcg.bridge import BridgeSet
-from bcg.compiled import CompileWatch
-from bcg.debug import Guards, Poison
-from bcg.env import env_flag
+from bcg.core.bridge import BridgeSet
+from bcg.core.compiled import CompileWatch
+from bcg.core.debug import Guards, Poison
+from bcg.core.env import env_flag
 from bcg.errors import (
     BcgError,
     CaptureError,
@@ -47,8 +47,8 @@ from bcg.errors import (
     add_note,
     user_line,
 )
-from bcg.plan import BreakpointStep, GraphParts, SegmentStep, Step
-from bcg.pool import (
+from bcg.core.plan import BreakpointStep, GraphParts, SegmentStep, Step
+from bcg.core.pool import (
     OWNERSHIPS,
     Ownership,
     PoolHandle,
@@ -58,14 +58,14 @@ from bcg.pool import (
     graph_pool_handle,
     pool_bytes,
 )
-from bcg.process import capture_lock, capture_stream, capturing, release_when_safe
-from bcg.staging import NOT_INLINE, Stager
-from bcg.storages import StorageWatch
-from bcg.torch_internals import clear_cublas_workspaces
+from bcg.core.process import capture_lock, capture_stream, capturing, release_when_safe
+from bcg.staged.staging import NOT_INLINE, Stager
+from bcg.core.storages import StorageWatch
+from bcg.core.torch_internals import clear_cublas_workspaces
 
 if TYPE_CHECKING:
     from bcg.graph import BreakableGraph
-    from bcg.variants import VariantPolicy
+    from bcg.keyed.variants import VariantPolicy
 
 log = logging.getLogger("bcg")
 
@@ -158,7 +158,7 @@ class CaptureSession(Recorder):
         self._generator = torch.cuda.default_generators[device]
         self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
         self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
-        # the storages outside the pool that captured operations read (see bcg.storages)
+        # the storages outside the pool that captured operations read (see bcg.core.storages)
         self.watch = StorageWatch(SegmentMap([pool]).external, recording=self.recording_segment)
 
     def recording_segment(self) -> bool:
@@ -360,7 +360,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         capture_error_mode: as in ``torch.cuda.graph``.
         live: what :func:`bcg.live` returns inside breakpoints during capture.
         ownership: who keeps breakpoint arguments and bridges alive (see
-            :mod:`bcg.pool`).
+            :mod:`bcg.core.pool`).
         after_breakpoint: called inside the segment after each breakpoint with
             the tensors crossing it (bridges and mutated arguments); its CUDA
             work is captured there.
@@ -368,7 +368,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         guards: check before each replay that inputs and breakpoint arguments
             keep their captured address and layout (default: env ``BCG_GUARDS``).
         poison: fill the pool's free memory with NaN before each replay
-            (default: env ``BCG_POISON``; see :mod:`bcg.debug`).
+            (default: env ``BCG_POISON``; see :mod:`bcg.core.debug`).
         inline: capture staged breakpoints (``prepare=``/``fits=``) inline, in
             the segment (default); ``False`` captures them as breakpoints (the
             breakable form). A graph with inline breakpoints replays only
@@ -380,7 +380,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         barrier: called at the end of each segment, before its first launch
             (which may run collectives) and the breakpoint after it; raising
             abandons the capture, with that segment never launched. Multi-GPU:
-            :meth:`bcg.distributed.CaptureVote.barrier` keeps ranks together.
+            :meth:`bcg.distributed.agreement.CaptureVote.barrier` keeps ranks together.
         compute_outputs: run the last segment once at the capture's end, as each
             segment before a breakpoint runs (so that the breakpoint reads real
             data): the block's outputs then hold its results (default). ``False``
@@ -404,7 +404,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     .. warning::
         Process-wide for the capture's duration: captures are serialized (a
         second thread's capture waits), Python's cycle collector is paused, and
-        Inductor's own CUDA graphs are off (see :mod:`bcg.compiled`).
+        Inductor's own CUDA graphs are off (see :mod:`bcg.core.compiled`).
 
     .. warning::
         Whether a segment draws random numbers is learnt from its run at capture
@@ -736,7 +736,7 @@ def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, str
 
     Torch's cached cuBLAS workspaces are dropped first, so that the segment's
     matmuls allocate theirs inside the capture, in the graph's own pool
-    (see :func:`bcg.torch_internals.clear_cublas_workspaces`)."""
+    (see :func:`bcg.core.torch_internals.clear_cublas_workspaces`)."""
     clear_cublas_workspaces()
     try:
         graph.capture_begin(pool=pool, capture_error_mode=mode)
@@ -759,7 +759,7 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
 
     Returns ``(graph, nodes, watch)``: the graph instantiated when ``nodes`` >
     0, never run (its first launch uploads it on the stream that launches it),
-    and the :class:`~bcg.storages.StorageWatch` of the storages it read outside
+    and the :class:`~bcg.core.storages.StorageWatch` of the storages it read outside
     ``pool`` and ``graph_pool``. Captured in ``"thread_local"`` mode (other
     threads' CUDA calls neither break it nor are refused) on bcg's capture
     stream of ``device``, holding the capture lock. On any failure the capture
@@ -835,6 +835,6 @@ def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
     repair = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        repair.capture_begin()
+        repair.capture_begin(capture_error_mode="thread_local")  # (see PoolLease: other threads go on)
         repair.capture_end()
     repair.reset()

@@ -4,7 +4,7 @@ replay to the contracts graph mode enforces.
 Used by ``make_graph(..., mode="eager")`` (debugging, machines with no CUDA).
 Work between breakpoints is counted in ATen operations through a dispatch
 mode, so a region with no tensor work is not a segment, as in graph mode. Each
-breakpoint call's output contract is recorded (a :class:`bcg.bridge.BridgeSet`
+breakpoint call's output contract is recorded (a :class:`bcg.core.bridge.BridgeSet`
 that allocates nothing) and every replay is checked against it: the same
 breakpoints in the same order, the same output structure, shapes, dtypes,
 frozen values and in-place results, or :class:`bcg.BreakpointOutputMismatch`
@@ -22,12 +22,12 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg.breakpoint import BreakpointSpec, Recorder, live
-from bcg.bridge import BridgeSet
+from bcg.core.breakpoint import BreakpointSpec, Recorder, live
+from bcg.core.bridge import BridgeSet
 from bcg.errors import BreakpointOutputMismatch
-from bcg.plan import BreakpointStep, SegmentStep, Step
-from bcg.staging import NOT_INLINE, Stager
-from bcg.variants import VariantCache
+from bcg.core.plan import BreakpointStep, SegmentStep, Step
+from bcg.staged.staging import NOT_INLINE, Stager
+from bcg.keyed.variants import VariantCache
 
 log = logging.getLogger("bcg")
 

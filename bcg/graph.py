@@ -14,16 +14,16 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch.utils import _pytree as pytree
 
-from bcg import cudart
-from bcg.process import release_when_safe
+from bcg.core import cudart
+from bcg.core.process import release_when_safe
 from bcg.errors import ReplayError
-from bcg.breakpoint import UNSET, reset_live, set_live
-from bcg.pool import PoolHandle, PoolLease, pool_bytes
-from bcg.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step, breakpoint_tensors
-from bcg.cudart import stream_readers
-from bcg.replay import Executor, make_executor
-from bcg.storages import check_alarm
-from bcg.variants import VariantCache, VariantPolicy
+from bcg.core.breakpoint import UNSET, reset_live, set_live
+from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
+from bcg.core.plan import BreakpointStep, GraphParts, GraphSource, SegmentStep, Step, breakpoint_tensors
+from bcg.core.cudart import stream_readers
+from bcg.core.replay import Executor, make_executor
+from bcg.core.storages import check_alarm
+from bcg.keyed.variants import VariantCache, VariantPolicy
 
 _current_device, _current_stream = stream_readers()
 
@@ -46,14 +46,14 @@ class GraphStats:
     ``inline_replays``: replays that ran inline; ``fallback_replays``: replays
     that ran the breakable form instead, by reason. ``variants``: the keyed
     breakpoints' keys, hits, variants and stitched executables (see
-    :meth:`bcg.variants.VariantCache.stats`; None without keyed breakpoints).
+    :meth:`bcg.keyed.variants.VariantCache.stats`; None without keyed breakpoints).
     ``disabled``: the node groups replays skip now (:meth:`BreakableGraph.set_enabled`);
     ``trimmed_executables``: the executables built without skipped groups, over all segments.
     ``launched_first``: inline replays that launched before ``prepare``
     (``prepare_after_launch``); ``late_launches``: those whose launch returned
-    with the GPU already waiting at a gate (see :mod:`bcg.staging`).
+    with the GPU already waiting at a gate (see :mod:`bcg.staged.staging`).
     ``held_storages``, ``held_storage_bytes``: the storages outside the pool
-    that the segments read, which the graph keeps alive (see :mod:`bcg.storages`).
+    that the segments read, which the graph keeps alive (see :mod:`bcg.core.storages`).
     """
 
     mode: str
@@ -96,7 +96,7 @@ class BreakableGraph:
         self.source: GraphSource | None = None
         self.outputs: Any = None
         self.fallback: BreakableGraph | None = None
-        self.variants: VariantCache | None = None  # keyed breakpoints' variants (see bcg.variants)
+        self.variants: VariantCache | None = None  # keyed breakpoints' variants (see bcg.keyed.variants)
         self._inline_replays = 0
         self._fallback_replays: dict[str, int] = {}
         self._disabled: frozenset[str] = frozenset()  # switchable node groups turned off
@@ -159,7 +159,7 @@ class BreakableGraph:
         reading the same tensors. ``reset()`` resets it too. The groups that
         :meth:`set_enabled` skips are skipped in ``graph`` too, switched right
         before it replays, by disabling their nodes in its own executables (see
-        :meth:`bcg.plan.SegmentStep.skip`; segments already skipping groups
+        :meth:`bcg.core.plan.SegmentStep.skip`; segments already skipping groups
         keep their trimmed executables): it replays only for metadata that does
         not fit, where its breakpoints cost more than the empty nodes, and a
         trimmed executable per segment would cost milliseconds to build.
@@ -291,7 +291,7 @@ class BreakableGraph:
         (nothing but the graph holds its storage any more): what every replay asks first.
 
         Cheap: a replay pays one list check unless a tensor the graph reads was
-        collected (see :mod:`bcg.storages`).
+        collected (see :mod:`bcg.core.storages`).
         """
         if self._alarm:
             check_alarm(self._alarm)
@@ -312,7 +312,7 @@ class BreakableGraph:
         into ``outputs``, or raises :class:`bcg.ReplayError` when it has none.
         A graph with keyed breakpoints computes their keys: when every
         breakpoint has a variant for its key, it launches one stitched graph
-        (see :mod:`bcg.variants`).
+        (see :mod:`bcg.keyed.variants`).
 
         Arguments:
             live: what :func:`bcg.live` returns inside breakpoints.
@@ -324,7 +324,7 @@ class BreakableGraph:
             launch_first: for a graph that :attr:`prepares_after_launch`:
                 ``None`` lets it choose (it runs ``prepare`` first for a while
                 after launches that returned with the GPU already at a gate;
-                see :mod:`bcg.staging`), ``True`` launches before ``prepare``,
+                see :mod:`bcg.staged.staging`), ``True`` launches before ``prepare``,
                 ``False`` runs ``prepare`` first; neither of these two counts
                 toward that choice. Ignored by other graphs.
 
@@ -342,7 +342,7 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{parts.device} but the current device is "
                 f"cuda:{device}: replay it under torch.cuda.device({parts.device})"
             )
-        if self._alarm:  # a storage the graph reads may have been replaced (see bcg.storages)
+        if self._alarm:  # a storage the graph reads may have been replaced (see bcg.core.storages)
             check_alarm(self._alarm)
         stager = parts.stager if executor is not None else None  # eager mode: its rerun decides
         may_launch_first = False
@@ -399,7 +399,7 @@ class BreakableGraph:
         blocks with that label, in every segment (and in the breakable form's,
         switched when it next replays: see :meth:`set_fallback`).
         A segment that skips groups replays an executable built without their
-        nodes (see :mod:`bcg.trim`): the first time a set of groups is skipped,
+        nodes (see :mod:`bcg.core.trim`): the first time a set of groups is skipped,
         it is instantiated and uploaded (milliseconds), then kept until
         ``reset()``; later switches cost a few us. A segment that uses RNG
         (torch replays it), and a fallback's (see :meth:`set_fallback`),
@@ -463,7 +463,7 @@ class BreakableGraph:
     def prepares_after_launch(self) -> bool:
         """Whether inline replays may launch before running ``prepare`` (every staged breakpoint says
         ``prepare_after_launch=True`` and the plan is segments only). Whether one does is chosen
-        per replay (see ``launch_first`` of :meth:`replay` and :mod:`bcg.staging`)."""
+        per replay (see ``launch_first`` of :meth:`replay` and :mod:`bcg.staged.staging`)."""
         return self._launches_first
 
     def would_fall_back(self, live: Any) -> str | None:

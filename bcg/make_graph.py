@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from bcg.breakpoint import UNSET, recording
+from bcg.core.breakpoint import UNSET, recording
 from bcg.capture import capture, capture_fallback
 from bcg.eager import EagerRecorder, EagerReplay
 from bcg.graph import BreakableGraph, copy_outputs_into
-from bcg.plan import GraphParts, GraphSource
-from bcg.pool import PoolHandle
-from bcg.process import capture_lock, capture_stream
-from bcg.staging import StagedWarmup
-from bcg.variants import VariantPolicy
+from bcg.core.plan import GraphParts, GraphSource
+from bcg.core.pool import PoolHandle
+from bcg.core.process import capture_lock, capture_stream
+from bcg.staged.staging import StagedWarmup
+from bcg.keyed.variants import VariantPolicy
 
 log = logging.getLogger("bcg")
 
@@ -50,7 +50,7 @@ def make_graph(
     into ``static_args`` in place; ``fn`` must return the same structure every run.
     ``ownership``, ``guards``, ``poison`` and ``variants`` are passed to :class:`bcg.capture`
     (``static_args`` are the guarded inputs). When ``fn`` calls staged
-    breakpoints (see :mod:`bcg.staging`), the graph captures them inline and
+    breakpoints (see :mod:`bcg.staged.staging`), the graph captures them inline and
     also holds its breakable form, in the same pool, which replays whenever
     the live metadata does not fit; ``outputs`` are the same tensors either way.
     """

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg.breakpoint import BreakpointSpec, Recorder, live_scope, recording
+from bcg.core.breakpoint import BreakpointSpec, Recorder, live_scope, recording
 from bcg.errors import VerificationError
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.make_graph import make_graph
-from bcg.plan import BreakpointStep, GraphSource, SegmentStep, Step
+from bcg.core.plan import BreakpointStep, GraphSource, SegmentStep, Step
 
 log = logging.getLogger("bcg")
 

@@ -57,7 +57,7 @@ def test_breakpoint_in_compiled_code_still_records_structure_in_eager_mode() -> 
 
 
 def test_compile_watch_counts_graphs_compiled_inside_it() -> None:
-    from bcg.compiled import CompileWatch, dynamo_graphs
+    from bcg.core.compiled import CompileWatch, dynamo_graphs
 
     torch._dynamo.reset()
 
@@ -80,7 +80,7 @@ def test_compile_watch_counts_graphs_compiled_inside_it() -> None:
 def test_compile_watch_switches_inductors_cuda_graphs_off_and_back() -> None:
     import torch._inductor.config as inductor_config
 
-    from bcg.compiled import CompileWatch
+    from bcg.core.compiled import CompileWatch
 
     before = inductor_config.triton.cudagraph_capture_sizes
     with CompileWatch():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import bcg
-from bcg import native
-from bcg.env import env_flag
+from bcg.core import native
+from bcg.core.env import env_flag
 
 
 def _eager(fn, *args, live=None):  # noqa: ANN001, ANN202

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bcg
-from bcg.bridge import BridgeSet
-from bcg.pool import non_owning_alias
+from bcg.core.bridge import BridgeSet
+from bcg.core.pool import non_owning_alias
 
 from .models import TinyLlama, positions_for, random_lengths
 from .threads import run_in_threads
@@ -121,7 +121,7 @@ def _orders(edges: list[tuple[int, int]]) -> set[tuple[int, int]]:
 def test_trimming_keeps_every_order_between_the_nodes_that_stay(edges: list[tuple[int, int]], gone: list[int]) -> None:
     """A trimmed executable's graph: the removed nodes' edges go, the bypass edges come, and
     the nodes that stay keep exactly the orders they had."""
-    from bcg.trim import bypass_edges
+    from bcg.core.trim import bypass_edges
 
     added = bypass_edges(edges, gone)
     kept = [(a, b) for a, b in edges if a not in gone and b not in gone] + added
@@ -371,7 +371,7 @@ def test_non_owning_alias_views_the_same_memory() -> None:
 
 
 def test_a_breakpoint_that_returned_none_has_nothing_to_refresh_but_still_checks() -> None:
-    from bcg.plan import BreakpointStep
+    from bcg.core.plan import BreakpointStep
 
     def halve(y: torch.Tensor) -> None:
         y.mul_(0.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bcg
-from bcg import cudart
+from bcg.core import cudart
 
 from .models import TinyLlama, positions_for, random_lengths
 
@@ -405,7 +405,7 @@ def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executor
         return h + 1
 
     graph, y = _capture(fn, x, live=0.0)
-    for executor in ("python", "native") if bcg.native.available() else ("python",):
+    for executor in ("python", "native") if bcg.core.native.available() else ("python",):
         graph.use_executor(executor)
         for enabled in (True, False, False, True, False, True):
             assert graph.set_enabled("extra", enabled)
@@ -483,7 +483,7 @@ def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
     graph, (y, noise) = _capture(fn, a, live=0.0)
     plain, rng = graph.segments
     assert not plain.uses_rng and rng.uses_rng
-    for executor in ("python", "native") if bcg.native.available() else ("python",):
+    for executor in ("python", "native") if bcg.core.native.available() else ("python",):
         graph.use_executor(executor)
         for enabled in (False, True, False, False, True):
             assert graph.set_enabled("extra", enabled)
@@ -517,7 +517,7 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
         def refuse(*args: object) -> int:
             raise RuntimeError("cudaErrorNotSupported: refused for the test")
 
-        monkeypatch.setattr(bcg.plan, "trimmed_exec", refuse)
+        monkeypatch.setattr(bcg.core.plan, "trimmed_exec", refuse)
     x = torch.randn(1024, device="cuda")
     a = torch.zeros(1024, device="cuda")
     b = torch.zeros(1024, device="cuda")

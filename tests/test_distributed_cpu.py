@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import bcg
-from bcg.distributed import CaptureVote, RankAgreement
+from bcg.distributed.agreement import CaptureVote, RankAgreement
 from tests.ranks import WORLD, run_world
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

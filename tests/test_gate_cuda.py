@@ -1,4 +1,4 @@
-"""The gated copy (``bcg.gate``) on a GPU: the kernel waits at its gate, copies any dtype and
+"""The gated copy (``bcg.staged.gate``) on a GPU: the kernel waits at its gate, copies any dtype and
 size bit-exact, and clears the gate; staged graphs copy through it, or through the stream
 memory operations where it cannot be built."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import bcg
-from bcg import cudart, gate
+from bcg.core import cudart
+from bcg.staged import gate
 
 pytestmark = pytest.mark.cuda
 
@@ -155,7 +156,7 @@ def gate_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize("after_launch", [False, True])
 def test_staged_copies_of_every_dtype_and_size_are_bit_exact(gate_form: str, after_launch: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)  # launch first even when late (idle GPU)
+    monkeypatch.setattr(bcg.staged.staging, "PREPARE_FIRST_REPLAYS", 0)  # launch first even when late (idle GPU)
     rng = random.Random(11)
     graph, staging, outs = _graph(after_launch, rng)
     assert graph.stats().staged == ("read",)
@@ -175,7 +176,7 @@ def test_staged_copies_of_every_dtype_and_size_are_bit_exact(gate_form: str, aft
 @pytest.mark.parametrize("after_launch", [False, True])
 def test_replays_queued_behind_a_busy_gpu_read_their_own_values(gate_form: str, after_launch: bool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)  # keep launching first on a busy GPU
+    monkeypatch.setattr(bcg.staged.staging, "PREPARE_FIRST_REPLAYS", 0)  # keep launching first on a busy GPU
     rng = random.Random(12)
     graph, staging, outs = _graph(after_launch, rng)
     acc = [torch.zeros(out.shape, dtype=torch.float64, device="cuda") for out in outs]

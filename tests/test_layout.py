@@ -40,7 +40,7 @@ def _bcg_targets(node: ast.ImportFrom | ast.Import) -> list[str]:
     if node.module is None or not node.module.startswith("bcg"):
         return []
     targets = []
-    for alias in node.names:  # ``from bcg import native`` imports the submodule bcg.native
+    for alias in node.names:  # ``from bcg import native`` imports the submodule bcg.core.native
         sub = f"{node.module}.{alias.name}"
         targets.append(sub if sub in MODULES else node.module)
     return targets
@@ -56,7 +56,7 @@ def _graph() -> dict[str, set[str]]:
 def test_the_layout_check_sees_the_package() -> None:
     graph = _graph()
     assert {"bcg", "bcg.capture", "bcg.graph", "bcg.runner.graph_runner", "bcg.bench.cli"} <= set(graph)
-    assert "bcg.breakpoint" in graph["bcg.capture"]
+    assert "bcg.core.breakpoint" in graph["bcg.capture"]
 
 
 def _find_loop(graph: dict[str, set[str]]) -> list[str] | None:
@@ -134,8 +134,8 @@ def _private_attributes(name: str, source: str) -> list[str]:
 
 
 def test_the_private_checks_catch_what_they_look_for() -> None:
-    source = "from bcg.pool import _x\nfrom bcg.bench import modes\nmodes._bcg_graph(1)\nmodes.register_mode\n"
-    assert _private_imports("bcg.bench.cli", source) == ["bcg.bench.cli: from bcg.pool import _x"]
+    source = "from bcg.core.pool import _x\nfrom bcg.bench import modes\nmodes._bcg_graph(1)\nmodes.register_mode\n"
+    assert _private_imports("bcg.bench.cli", source) == ["bcg.bench.cli: from bcg.core.pool import _x"]
     assert _private_attributes("bcg.bench.cli", source) == ["bcg.bench.cli:3: modes._bcg_graph"]
     assert _private_attributes("bcg.bench.modes", "from bcg.bench import modes\nmodes._own\n") == []
 

@@ -1,5 +1,5 @@
-"""Lifetime rules that need no GPU: frees deferred while a capture runs (bcg.process), and the
-storages a capture read, held and checked at replay (bcg.storages)."""
+"""Lifetime rules that need no GPU: frees deferred while a capture runs (bcg.core.process), and the
+storages a capture read, held and checked at replay (bcg.core.storages)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bcg.errors import StaleTensorError
-from bcg.process import CaptureLock, on_release
-from bcg.storages import StorageWatch, check_alarm
+from bcg.core.process import CaptureLock, on_release
+from bcg.core.storages import StorageWatch, check_alarm
 
 
 # -- frees that wait for captures ------------------------------------------------------------------

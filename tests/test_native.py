@@ -10,10 +10,10 @@ import weakref
 import pytest
 
 import bcg
-from bcg import native
-from bcg.breakpoint import BreakpointSpec
-from bcg.plan import BreakpointStep
-from bcg.replay import NativeExecutor, PythonExecutor, make_executor
+from bcg.core import native
+from bcg.core.breakpoint import BreakpointSpec
+from bcg.core.plan import BreakpointStep
+from bcg.core.replay import NativeExecutor, PythonExecutor, make_executor
 
 
 def _libcuda_loadable() -> bool:
@@ -442,10 +442,10 @@ _FAKE_DRIVER_CHECKS = r"""
 import ctypes, threading
 import pytest
 import bcg
-from bcg import native
-from bcg import replay as replay_mod
-from bcg.breakpoint import BreakpointSpec
-from bcg.plan import BreakpointStep, SegmentStep
+from bcg.core import native
+from bcg.core import replay as replay_mod
+from bcg.core.breakpoint import BreakpointSpec
+from bcg.core.plan import BreakpointStep, SegmentStep
 
 nat = native.module()
 nat.load_driver()

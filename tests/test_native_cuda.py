@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bcg
-from bcg import native
+from bcg.core import native
 
 pytestmark = pytest.mark.cuda
 
@@ -308,7 +308,7 @@ def test_native_per_segment_overhead() -> None:
     """The native loop launches segments faster than torch's own ``CUDAGraph.replay()`` called
     from a Python loop over the same segments (and than the Python executor), measured in the
     same test, interleaved: no absolute bound that a loaded machine would break."""
-    from bcg.replay import PythonExecutor
+    from bcg.core.replay import PythonExecutor
 
     segments = 32
     x = torch.zeros(64, device="cuda")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import bcg
-from bcg.breakpoint import UNSET as _UNSET
+from bcg.core.breakpoint import UNSET as _UNSET
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import bcg
-from bcg.buckets import normalize_buckets, padding_ratio
+from bcg.runner.buckets import normalize_buckets, padding_ratio
 
 from .models import TinyLlama
 from .threads import run_in_threads

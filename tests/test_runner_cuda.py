@@ -238,7 +238,7 @@ def test_no_nan_anywhere_with_huge_padding_and_poisoned_memory(which: str) -> No
     # allocation, _rows_returning's torch.empty_like(h) (at most 1 MiB), is then NaN wherever
     # the breakpoint does not write. _poison_default_allocator alone guarantees nothing: the
     # caching allocator picks among all its free blocks, NaN-filled or not. (Routed as
-    # bcg.pool.PoolLease does; a torch.cuda.MemPool would empty the cache when collected.)
+    # bcg.core.pool.PoolLease does; a torch.cuda.MemPool would empty the cache when collected.)
     device = torch.cuda.current_device()
 
     def with_nan_memory(call):  # noqa: ANN001, ANN202
@@ -515,7 +515,7 @@ def test_capture_of_16_buckets_records_seconds_and_reset_frees_everything() -> N
     runner.reset()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert bcg.pool.pool_bytes(pool, 0) == 0
+    assert bcg.core.pool.pool_bytes(pool, 0) == 0
     growth = torch.cuda.memory_reserved() - reserved0
     print(f"reserved after reset: {growth / 2**20:+.1f} MiB")
     # The allowance: a few 2 MiB segments holding small blocks that outlive the runner (torch's

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bcg
-from bcg import staging
+from bcg.staged import staging
 
 SLOTS = 3
 
@@ -236,8 +236,8 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
 
 
 def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:
-    from bcg.breakpoint import recording
-    from bcg.staging import StagedWarmup
+    from bcg.core.breakpoint import recording
+    from bcg.staged.staging import StagedWarmup
 
     staging = _Staging()
     calls = {"fits": 0}
@@ -353,7 +353,7 @@ def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypat
     assert stager.launch_first_now()  # no streak came of them
 
 
-# -- the gated-copy kernel's build (bcg.gate) --------------------------------------------------
+# -- the gated-copy kernel's build (bcg.staged.gate) --------------------------------------------------
 
 
 @pytest.mark.parametrize(("capability", "time_limit", "why"), [
@@ -366,19 +366,19 @@ def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
         raise RuntimeError(f"NVRTC could not compile {name} for {arch}")
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(bcg.cudart, "kernel_time_limit", lambda device: time_limit)
-    monkeypatch.setattr(bcg.cudart, "compile_cubin", refuse)
-    bcg.gate.kernel.cache_clear()
+    monkeypatch.setattr(bcg.core.cudart, "kernel_time_limit", lambda device: time_limit)
+    monkeypatch.setattr(bcg.core.cudart, "compile_cubin", refuse)
+    bcg.staged.gate.kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="bcg"):
-            assert bcg.gate.kernel(0) is None
-            assert bcg.gate.kernel(0) is None  # asked again: the same answer, logged once
+            assert bcg.staged.gate.kernel(0) is None
+            assert bcg.staged.gate.kernel(0) is None  # asked again: the same answer, logged once
     finally:
-        bcg.gate.kernel.cache_clear()
+        bcg.staged.gate.kernel.cache_clear()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and why in warnings[0] and "stream memory operations" in warnings[0]
 
 
 def test_a_gated_copy_runs_a_warp_per_2_kib_up_to_1024_threads() -> None:
-    sizes = (0, 36, 2048, 2049, 8 * 2048, bcg.gate.KERNEL_COPY_MAX)
-    assert [bcg.gate.threads(n) for n in sizes] == [32, 32, 32, 64, 256, 1024]
+    sizes = (0, 36, 2048, 2049, 8 * 2048, bcg.staged.gate.KERNEL_COPY_MAX)
+    assert [bcg.staged.gate.threads(n) for n in sizes] == [32, 32, 32, 64, 256, 1024]

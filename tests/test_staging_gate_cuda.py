@@ -27,16 +27,16 @@ def _always_launch_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests check the launch-first path itself: keep it even where launches are late
     (small graphs on an idle GPU reach their gate in microseconds). The tests of late
     launches set their own value."""
-    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 0)
+    monkeypatch.setattr(bcg.staged.staging, "PREPARE_FIRST_REPLAYS", 0)
 
 
 @pytest.fixture(autouse=True, params=["kernel", "stream memory operations", "kernel, Python executor"])
 def _gate_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test with both forms of the gate: bcg.gate's kernel, and the stream memory
+    """Every test with both forms of the gate: bcg.staged.gate's kernel, and the stream memory
     operations bcg falls back to where the kernel cannot be built; and the kernel under the
     Python executor (segments launched through ``CUDAGraph.replay``, not from C)."""
     if request.param == "stream memory operations":
-        monkeypatch.setattr(bcg.gate, "kernel", lambda device: None)
+        monkeypatch.setattr(bcg.staged.gate, "kernel", lambda device: None)
     if request.param.endswith("Python executor"):
         monkeypatch.setenv("BCG_NATIVE", "0")
 
@@ -302,7 +302,7 @@ def test_a_capture_leaves_the_gate_closed_whether_it_runs_the_segment_or_not(com
 
 
 def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 4)
+    monkeypatch.setattr(bcg.staged.staging, "PREPARE_FIRST_REPLAYS", 4)
 
     def make_inputs() -> tuple[torch.Tensor]:
         return (torch.randn(96, HIDDEN, device="cuda", dtype=DTYPE),)
@@ -313,7 +313,7 @@ def test_verify_covers_a_gated_graph_and_catches_an_incomplete_prepare(monkeypat
     assert report.ok and report.samples == 5
     graph = report.graph
     inline = sum(len(m.lengths) <= SLOTS for m in samples)  # (a sample of more requests runs the breakable form)
-    assert graph.launch_order()[0] == inline >= bcg.staging.LATE_STREAK  # each inline sample replayed whole, launched first ...
+    assert graph.launch_order()[0] == inline >= bcg.staged.staging.LATE_STREAK  # each inline sample replayed whole, launched first ...
     graph.replay(samples[0])
     assert graph.launch_order()[0] == inline + 1  # ... none counted toward the order: the next replay launches first too
     with pytest.raises(bcg.VerificationError, match="output"):
@@ -348,7 +348,7 @@ def _gated_graph(seed: int) -> tuple[bcg.BreakableGraph, Block, GatedStaging, to
 
 def test_launches_that_return_after_the_gpu_reached_a_gate_make_prepare_run_first(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bcg.staging, "PREPARE_FIRST_REPLAYS", 4)
+    monkeypatch.setattr(bcg.staged.staging, "PREPARE_FIRST_REPLAYS", 4)
     graph, block, staging, x, rng = _gated_graph(43)
     replay = torch.cuda.CUDAGraph.replay
 
@@ -359,12 +359,12 @@ def test_launches_that_return_after_the_gpu_reached_a_gate_make_prepare_run_firs
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", slow_launch)
     graph.use_executor("python")  # its segment launches go through CUDAGraph.replay
     counts = []
-    for _ in range(bcg.staging.LATE_STREAK + 4 + 1):
+    for _ in range(bcg.staged.staging.LATE_STREAK + 4 + 1):
         torch.cuda.synchronize()  # the GPU idle: it reaches the gate at once
         _assert_replays_match_eager(graph, block, x, rng, calls=1)
         stats = graph.stats()
         counts.append((stats.launched_first, stats.late_launches))
-    streak = bcg.staging.LATE_STREAK
+    streak = bcg.staged.staging.LATE_STREAK
     # every launch-first replay was late; after the streak, 4 replays ran prepare first, then one launched first again
     assert counts == [(i, i) for i in range(1, streak + 1)] + [(streak, streak)] * 4 + [(streak + 1, streak + 1)]
     assert _settled(staging)

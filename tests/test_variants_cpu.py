@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import bcg
-from bcg.lru import Lru
-from bcg.variants import KeyBook, VariantCache, live_tensors, variant_key
+from bcg.keyed.lru import Lru
+from bcg.keyed.variants import KeyBook, VariantCache, live_tensors, variant_key
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from bcg.bench.timing import compiling_call
 
 def has_native_executor() -> bool:
     """Whether this install can build the ``"native"`` replay executor."""
-    from bcg.replay import make_executor
+    from bcg.core.replay import make_executor
 
     try:
         make_executor((), "native")
@@ -264,7 +264,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torc
     with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=ctx.capture_error_mode):
         out = fn(*args)
     capture_s = time.perf_counter() - t0
-    from bcg.pool import pool_bytes
+    from bcg.core.pool import pool_bytes
 
     held = {"g": g, "out": out}
 
@@ -393,7 +393,7 @@ def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
 
 
 def _bcg_staged_variant(case: Case, ctx: BuildContext, name: str) -> Built:
-    variant = case.staged.staged_variants.get(name) if case.staged is not None else None
+    variant = case.staged_variants.get(name)
     if variant is None:
         raise NotApplicable(f"{case.label} has no staged breakpoint here")
     return _bcg_runner(variant, ctx, None, staged=True)

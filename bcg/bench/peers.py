@@ -62,7 +62,7 @@ def _build_sequence(
         out = fn(*args)
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
-    from bcg.pool import pool_bytes
+    from bcg.core.pool import pool_bytes
 
     held = {"seq": seq, "out": out}
     steps = list(getattr(seq, "_segments", ()))  # private, read only for the counts

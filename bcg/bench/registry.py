@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import bcg
-from bcg.torch_internals import clear_cublas_workspaces
+from bcg.core.torch_internals import clear_cublas_workspaces
 from bcg.bench.case import Case
 
 #: The modules whose import registers modes, in the order their modes run.
@@ -125,7 +125,7 @@ def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int,
     Torch's cached cuBLAS workspaces are dropped after the warm-up, so that the capture on
     that stream allocates its own inside the capture, in its own pool: otherwise it would
     replay the warm-up's eager workspace, which the clears of other captures in this process
-    (bcg's, Inductor's) hand back to the allocator (see :mod:`bcg.torch_internals`).
+    (bcg's, Inductor's) hand back to the allocator (see :mod:`bcg.core.torch_internals`).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -103,7 +103,7 @@ def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, syn
     """One eager call of a ``torch.compile``'d ``fn`` (where it compiles, if it has not yet):
     ``{"compile_s": seconds until the device is done, "graphs_compiled": Dynamo graphs made}``."""
     import bcg
-    from bcg.compiled import dynamo_graphs
+    from bcg.core.compiled import dynamo_graphs
 
     graphs0 = dynamo_graphs()
     t0 = time.perf_counter()

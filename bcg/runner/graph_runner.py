@@ -18,20 +18,20 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg.breakpoint import UNSET, live_scope, recording
-from bcg.buckets import default_buckets, normalize_buckets, pick_bucket
+from bcg.core.breakpoint import UNSET, live_scope, recording
+from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.capture import capture, capture_fallback
-from bcg.distributed import CaptureVote, RankAgreement
-from bcg.variants import VariantPolicy
+from bcg.distributed.agreement import CaptureVote, RankAgreement
+from bcg.keyed.variants import VariantPolicy
 from bcg.errors import BcgError, CaptureError, ReplayError, add_note
 from bcg.graph import BreakableGraph, copy_outputs_into
-from bcg.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
-from bcg.process import capture_lock, capture_stream
-from bcg.cudart import stream_readers
+from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
+from bcg.core.process import capture_lock, capture_stream
+from bcg.core.cudart import stream_readers
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
-from bcg.staging import StagedTiers, StagedWarmup
+from bcg.staged.staging import StagedTiers, StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -868,11 +868,11 @@ class GraphRunner:
         :class:`bcg.StagedTiers`) and ``staged_fallbacks`` ({reason: graph
         calls that ran the breakable form}); ``launched_first`` and
         ``late_launches`` (inline replays that launched before ``prepare``, and
-        those of them that found the GPU already at a gate: see :mod:`bcg.staging`);
+        those of them that found the GPU already at a gate: see :mod:`bcg.staged.staging`);
         ``variants`` (keyed breakpoints, over every bucket's graphs: ``hits`` and
         ``misses`` (step calls), ``hit_rate``, ``captures``, ``stitched_replays``,
         ``evictions``, ``cache_bytes`` (variant pools and stitched executables)
-        and ``buckets`` ({bucket: :meth:`bcg.variants.VariantCache.stats` of its
+        and ``buckets`` ({bucket: :meth:`bcg.keyed.variants.VariantCache.stats` of its
         graph, and ``fallback`` of its breakable form}); None without keyed breakpoints).
         """
         pool = self._pool_bytes()

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from bcg import cudart
-from bcg.bridge import same_value
+from bcg.core import cudart
+from bcg.core.bridge import same_value
 
 PADDED, BY_REFERENCE, VALUE = "padded", "by_reference", "value"
 

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg import cudart
-from bcg.breakpoint import BreakpointSpec, crossing_tensors, tensor_leaves
-from bcg.bridge import argument_keys, in_place_position
+from bcg.core import cudart
+from bcg.core.breakpoint import BreakpointSpec, crossing_tensors, tensor_leaves
+from bcg.core.bridge import argument_keys, in_place_position
 from bcg.capture import switchable
-from bcg.pool import blocks
+from bcg.core.pool import blocks
 from bcg.runner.inputs import InputSpec
-from bcg.staging import NOT_INLINE, StagedWarmup
+from bcg.staged.staging import NOT_INLINE, StagedWarmup
 
 log = logging.getLogger("bcg")
 

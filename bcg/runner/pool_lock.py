@@ -8,8 +8,8 @@ import weakref
 
 import torch
 
-from bcg.pool import PoolHandle
-from bcg.cudart import stream_readers
+from bcg.core.pool import PoolHandle
+from bcg.core.cudart import stream_readers
 
 log = logging.getLogger("bcg")
 

@@ -61,7 +61,7 @@ import bcg
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
 from bcg.bench.argtypes import nonnegative_int, positive_int
-from bcg.compiled import dynamo_graphs
+from bcg.core.compiled import dynamo_graphs
 
 NAME = "llama"
 NEEDS_CUDA = False
@@ -494,7 +494,7 @@ class LlamaModel:
             else:
                 from unittest import mock
 
-                with mock.patch.object(bcg.gate, "kernel", lambda device: None):
+                with mock.patch.object(bcg.staged.gate, "kernel", lambda device: None):
                     self._staged[key] = StagedAttention(slots, self.device, after_launch)
         return self._staged[key]
 

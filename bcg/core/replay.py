@@ -13,10 +13,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
-from bcg import native
-from bcg.cudart import stream_readers
+from bcg.core import native
+from bcg.core.cudart import stream_readers
 from bcg.errors import ReplayError, add_note
-from bcg.plan import BreakpointStep, SegmentStep, Step
+from bcg.core.plan import BreakpointStep, SegmentStep, Step
 
 log = logging.getLogger("bcg")
 

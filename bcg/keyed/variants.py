@@ -28,7 +28,7 @@ A breakpoint declared with ``@bcg.breakpoint(key=...)`` is *keyed*. The contract
   and counted in ``stats()``, and the replay never fails for it.
 * When every breakpoint of a replay has a variant for its key, the segments and
   variants run as ONE executable graph, stitched per key tuple
-  (:mod:`bcg.stitch`). Graphs with segments or variants that draw random
+  (:mod:`bcg.keyed.stitch`). Graphs with segments or variants that draw random
   numbers are never stitched: their replays go through torch, which advances
   the generator's offsets exactly as a piecewise replay does.
 * With ``prepare=``/``fits=`` (a staged breakpoint) the two compose: inline
@@ -59,17 +59,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg import cudart
-from bcg.breakpoint import BreakpointSpec, live, tensor_leaves
+from bcg.core import cudart
+from bcg.core.breakpoint import BreakpointSpec, live, tensor_leaves
 from bcg.capture import capture_call
 from bcg.errors import VerificationError
-from bcg.lru import Lru
-from bcg.plan import BreakpointStep, SegmentStep, Step, breakpoint_tensors
-from bcg.pool import PoolHandle, graph_pool_handle
-from bcg.cudart import stream_readers
-from bcg.process import on_release, release_when_safe
-from bcg.stitch import StitchedCache
-from bcg.storages import HeldStorages
+from bcg.keyed.lru import Lru
+from bcg.core.plan import BreakpointStep, SegmentStep, Step, breakpoint_tensors
+from bcg.core.pool import PoolHandle, graph_pool_handle
+from bcg.core.cudart import stream_readers
+from bcg.core.process import on_release, release_when_safe
+from bcg.keyed.stitch import StitchedCache
+from bcg.core.storages import HeldStorages
 
 log = logging.getLogger("bcg")
 
@@ -230,7 +230,7 @@ class KeyBook:
 @dataclasses.dataclass(eq=False)
 class Variant:
     """One step's captured call: a ``torch.cuda.CUDAGraph`` (``nodes`` 0: it launches nothing),
-    and the storages it reads outside its pools (held, see :mod:`bcg.storages`)."""
+    and the storages it reads outside its pools (held, see :mod:`bcg.core.storages`)."""
 
     graph: torch.cuda.CUDAGraph
     nodes: int
@@ -518,7 +518,7 @@ class VariantCache:
         """Release ``entries``' variants and the stitched executables built from them; the pools
         go back to the driver (``empty_cache``). The executables leave the cache now; the
         freeing runs after a synchronize (a queued replay may still launch them), once no
-        capture is underway (see :mod:`bcg.process`)."""
+        capture is underway (see :mod:`bcg.core.process`)."""
         if self.stitched is not None:
             for entry in entries:
                 self.stitched.drop((entry.spec, entry.key))

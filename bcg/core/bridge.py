@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.errors import BreakpointOutputMismatch
-from bcg.breakpoint import tensor_leaves
+from bcg.core.breakpoint import tensor_leaves
 
 _VALUE, _BRIDGE, _IN_PLACE = 0, 1, 2
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bcg.errors import ReplayError
-from bcg.pool import PoolHandle, poison_free_pool_memory
+from bcg.core.pool import PoolHandle, poison_free_pool_memory
 
 
 class GuardError(ReplayError):

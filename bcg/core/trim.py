@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bcg import cudart
+from bcg.core import cudart
 
 log = logging.getLogger("bcg")
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from bcg import cudart
-from bcg.lru import Lru
-from bcg.process import on_release
+from bcg.core import cudart
+from bcg.keyed.lru import Lru
+from bcg.core.process import on_release
 
 log = logging.getLogger("bcg")
 
@@ -134,7 +134,7 @@ class StitchedCache:
                 self._destroy(key)
 
     def _destroy(self, key: Hashable) -> None:
-        """Drop the executable of ``key`` from the cache and destroy it (see :mod:`bcg.process`)."""
+        """Drop the executable of ``key`` from the cache and destroy it (see :mod:`bcg.core.process`)."""
         exe = self._lru.pop(key)
         if exe is not None:
             exe.free()

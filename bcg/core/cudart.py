@@ -3,7 +3,7 @@
 Only what the capture machinery needs: capture status, joining forked work,
 node counts, uploads, edited copies of graphs, launches, DOT dumps,
 stream memory operations and NVRTC-compiled kernels (the gates of
-:mod:`bcg.staging`); and
+:mod:`bcg.staged.staging`); and
 the cheapest readers of torch's current device and stream. Handles are plain
 ``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
 ``CUDAGraph.raw_cuda_graph()`` return).
@@ -159,7 +159,7 @@ def node_type(node: Any) -> str:
     err, kind = rt.cudaGraphNodeGetType(node)
     if err == rt.cudaError_t.cudaErrorUnknown:
         # The runtime has no type for some driver nodes (cudaErrorUnknown on CUDA 13 for the
-        # stream memory operations of bcg.staging's gates): not a failure, just not named. The
+        # stream memory operations of bcg.staged.staging's gates): not a failure, just not named. The
         # error is cleared, or torch's next launch check (cudaGetLastError) would raise it.
         rt.cudaGetLastError()
         return "other"
@@ -342,7 +342,7 @@ def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
 
 
-# -- building and launching graphs (stitching: bcg.stitch) ------------------------------------
+# -- building and launching graphs (stitching: bcg.keyed.stitch) ------------------------------------
 
 
 def graph_create() -> int:
@@ -389,7 +389,7 @@ def launch(graph_exec: int, stream: int) -> None:
     check(runtime().cudaGraphLaunch(graph_exec, stream))
 
 
-# -- editing a graph's copy (trimmed executables: bcg.trim) -------------------------------------
+# -- editing a graph's copy (trimmed executables: bcg.core.trim) -------------------------------------
 
 
 def graph_clone(graph: int) -> int:

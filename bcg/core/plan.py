@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg import cudart
-from bcg.cudart import stream_readers
-from bcg.breakpoint import BreakpointSpec
-from bcg.bridge import BridgeSet
-from bcg.process import on_release
-from bcg.trim import trimmed_exec
+from bcg.core import cudart
+from bcg.core.cudart import stream_readers
+from bcg.core.breakpoint import BreakpointSpec
+from bcg.core.bridge import BridgeSet
+from bcg.core.process import on_release
+from bcg.core.trim import trimmed_exec
 
 log = logging.getLogger("bcg")
 
 if TYPE_CHECKING:
-    from bcg.debug import Guards, Poison
-    from bcg.pool import PoolHandle, PoolLease
-    from bcg.staging import Stager
-    from bcg.storages import HeldStorages
-    from bcg.variants import StepVariants, VariantPolicy
+    from bcg.core.debug import Guards, Poison
+    from bcg.core.pool import PoolHandle, PoolLease
+    from bcg.staged.staging import Stager
+    from bcg.core.storages import HeldStorages
+    from bcg.keyed.variants import StepVariants, VariantPolicy
 
 
 @dataclass(eq=False)
@@ -50,7 +50,7 @@ class SegmentStep:
     switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     #: the node groups replays skip now (see :meth:`skip`)
     skipped: frozenset[str] = frozenset()
-    #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.trim`)
+    #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.core.trim`)
     trimmed: dict[frozenset[str], int] = field(default_factory=dict, repr=False)
     #: why this segment skips groups by disabling their nodes (RNG, a refused trimmed build, or a
     #: breakable form: see ``BreakableGraph.set_fallback``); None: it trims
@@ -161,7 +161,7 @@ class BreakpointStep:
     kwargs: dict[str, Any]
     bridges: BridgeSet | None = None
     index: int = 0
-    #: a keyed breakpoint's variants (see :mod:`bcg.variants`): replays dispatch through them
+    #: a keyed breakpoint's variants (see :mod:`bcg.keyed.variants`): replays dispatch through them
     variants: StepVariants | None = field(default=None, repr=False)
     _run: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -247,7 +247,7 @@ class GraphParts:
     breakpoints' variants (None: the defaults). ``unswitchable``: labels of
     ``switchable`` blocks that cannot be disabled (their nodes always run).
     ``held``: the storages outside the pool that the segments read (see
-    :mod:`bcg.storages`).
+    :mod:`bcg.core.storages`).
     """
 
     plan: Sequence[Step]

@@ -1,5 +1,5 @@
 """The gated copy: one CUDA kernel that waits at a :class:`bcg.StagingBuffer`'s gate, copies the
-buffer's pinned host value into its device tensor, and closes the gate (see :mod:`bcg.staging`).
+buffer's pinned host value into its device tensor, and closes the gate (see :mod:`bcg.staged.staging`).
 
 A graph launch pays host time for each copy and stream memory operation node it holds, and
 nothing measurable for a kernel node: on an H200 (CUDA 13), a gated copy captured as four
@@ -10,7 +10,7 @@ plain copy 2.3 and 3.2, and this kernel 0.0 and 5.1 (``benchmarks/gate_cost.py``
 The kernel is compiled with NVRTC (cuda-python) once per process and device, the first time a
 buffer is made there. Where it cannot be (no NVRTC library, a GPU older than sm_70, or one whose
 kernels have a run-time limit), :func:`kernel`
-returns ``None``, logs why once, and :mod:`bcg.staging` captures the stream memory operations
+returns ``None``, logs why once, and :mod:`bcg.staged.staging` captures the stream memory operations
 instead.
 """
 
@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from bcg import cudart
+from bcg.core import cudart
 
 log = logging.getLogger("bcg")
 

@@ -13,7 +13,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from bcg.env import env_flag
+from bcg.core.env import env_flag
 
 ENV_VAR = "BCG_NATIVE"
 
@@ -51,7 +51,7 @@ def module() -> ModuleType:
 def enabled_by_env() -> bool:
     """False when ``BCG_NATIVE`` is off (``0``/``false``/``no``/``off``): default to Python.
 
-    Raises ``ValueError`` for a value that is not a flag (see :func:`bcg.env.env_flag`).
+    Raises ``ValueError`` for a value that is not a flag (see :func:`bcg.core.env.env_flag`).
     """
     return env_flag(ENV_VAR, default=True)
 

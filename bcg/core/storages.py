@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.errors import StaleTensorError
-from bcg.torch_internals import storage_use_count
+from bcg.core.torch_internals import storage_use_count
 
 log = logging.getLogger("bcg")
 
@@ -184,7 +184,7 @@ class StorageWatch(TorchDispatchMode):
     Arguments:
         external: ``external(op, tensor, storage_ptr)``: whether the storage,
             an argument of ``op``, lives outside the capture's own pools (see
-            :class:`bcg.pool.SegmentMap`).
+            :class:`bcg.core.pool.SegmentMap`).
         recording: whether the operations running now are being captured
             (False while a breakpoint runs eagerly between segments).
     """

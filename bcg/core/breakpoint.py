@@ -1,7 +1,7 @@
 """Breakpoints: ``@bcg.breakpoint``, the live metadata they read, and the recorder that sees them.
 
 * :func:`breakpoint` marks a function as work that runs eagerly at every replay
-  (or, *staged*, inline in the graph; see :mod:`bcg.staging`);
+  (or, *staged*, inline in the graph; see :mod:`bcg.staged.staging`);
   :class:`BreakpointSpec` is what the library knows about one.
 * :func:`live` is the per-replay host metadata breakpoints read. It is carried
   by a :class:`contextvars.ContextVar`, so it is thread- and reentrancy-safe.
@@ -164,8 +164,8 @@ class BreakpointSpec:
     ``enabled`` is a bool or a zero-argument callable asked at each capture-time
     call; a disabled breakpoint is captured into the segment like any code.
     ``mutates`` names the arguments it writes in place (``None``: any of them).
-    ``prepare`` and ``fits`` make it *staged* (see :mod:`bcg.staging`);
-    ``key`` makes it *keyed* (see :mod:`bcg.variants`). Build specs through
+    ``prepare`` and ``fits`` make it *staged* (see :mod:`bcg.staged.staging`);
+    ``key`` makes it *keyed* (see :mod:`bcg.keyed.variants`). Build specs through
     :func:`bcg.breakpoint`, which checks them.
     """
 
@@ -359,16 +359,16 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         prepare, fits: make the breakpoint *staged*: captured inline, reading
             metadata that ``prepare(live)`` stages in static buffers at every
             replay, whenever ``fits(live)`` (or ``fits(live, staged)``, given what
-            ``prepare`` returned at capture); see :mod:`bcg.staging` for the contract.
+            ``prepare`` returned at capture); see :mod:`bcg.staged.staging` for the contract.
         prepare_after_launch: run ``prepare`` after the graph's launch, while the GPU
             runs the work before the first copy of its buffers, which waits for it
             (a captured flag wait). ``prepare`` must then never wait on the GPU (a
-            hang) and should not raise for metadata that ``fits``: see :mod:`bcg.staging`.
+            hang) and should not raise for metadata that ``fits``: see :mod:`bcg.staged.staging`.
         key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value
             covering everything host-dynamic its GPU work depends on; its work is
             captured once per key (a *variant*) and replayed from then on, and a
             forward whose breakpoints all hit runs as one stitched graph; see
-            :mod:`bcg.variants` for the contract.
+            :mod:`bcg.keyed.variants` for the contract.
 
     Constraints:
         * Tensor arguments are held by the graph and passed again, at the same

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from bcg.process import on_release
+from bcg.core.process import on_release
 
 PoolHandle = tuple[int, int]
 Ownership = Literal["graph", "pool"]
@@ -107,7 +107,9 @@ class PoolLease:
         self._graphs: list[torch.cuda.CUDAGraph] = [torch.cuda.CUDAGraph()]
         with torch.cuda.stream(stream), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            self._graphs[0].capture_begin(pool=pool)
+            # thread_local: a global-mode capture, however short, would refuse other threads'
+            # cudaMalloc and synchronize (and its own capture would fail on theirs)
+            self._graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
             self._graphs[0].capture_end()
         self._release = on_release(self, lambda graphs=self._graphs: _reset_all(graphs))
 

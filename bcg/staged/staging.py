@@ -32,7 +32,7 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
   ``prepare`` and ``fits`` are not called.
 
 Each copy of a buffer a ``prepare`` wrote is captured behind a *gate*, a
-pinned flag of the buffer: one kernel (:mod:`bcg.gate`; over 64 KiB, a copy
+pinned flag of the buffer: one kernel (:mod:`bcg.staged.gate`; over 64 KiB, a copy
 node between two) waits until the flag says the value is written, copies it,
 and clears the flag. A replay sets the flags once ``prepare`` has
 written. :meth:`StagingBuffer.write` first waits until the previous replay's
@@ -92,9 +92,10 @@ from typing import Any
 
 import torch
 
-from bcg import cudart, gate
-from bcg.cudart import stream_readers
-from bcg.breakpoint import BreakpointSpec, Recorder, live
+from bcg.core import cudart
+from bcg.staged import gate
+from bcg.core.cudart import stream_readers
+from bcg.core.breakpoint import BreakpointSpec, Recorder, live
 from bcg.errors import CaptureError, ReplayError, add_note
 
 log = logging.getLogger("bcg")
@@ -166,7 +167,7 @@ class StagingBuffer:
         self._gate_flag: Any = None  # its NumPy view, once a copy is captured behind it
         self._gate_address = 0  # its device address (the captured wait and writes; the arrival 4 bytes on)
         self._gate_stream = 0  # the stream of the copy the open gate is for (raw handle)
-        # the gated-copy kernel (bcg.gate; None where it cannot be built: stream memory operations)
+        # the gated-copy kernel (bcg.staged.gate; None where it cannot be built: stream memory operations)
         self._gated_copy: Any = gate.kernel(self._device_tensor.device.index) if cuda else None
 
     @property

@@ -1,0 +1,5 @@
+"""Multi-GPU: ranks that agree on what every call replays, and fail captures together."""
+
+from bcg.distributed.agreement import CaptureVote, RankAgreement
+
+__all__ = ["CaptureVote", "RankAgreement"]

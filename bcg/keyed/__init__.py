@@ -1,0 +1,1 @@
+"""Keyed breakpoints: a breakpoint's work captured once per key, and stitched executables."""

@@ -1,0 +1,1 @@
+"""Staged breakpoints: live metadata written into static buffers, the breakpoint captured inline."""
