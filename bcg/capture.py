@@ -1,392 +1,46 @@
-"""``bcg.capture``: record a forward pass as segments split at breakpoints.
-
-Each segment is a ``torch.cuda.CUDAGraph`` captured with ``capture_begin`` /
-``capture_end`` on one capture stream into one private memory pool, so torch's
-caching allocator and RNG bookkeeping stay in charge. Right after a segment is
-captured it is instantiated, uploaded and replayed once, so the breakpoint that
-follows runs on real data and the capture itself computes a correct forward.
+"""``bcg.capture``: record a ``with`` block into a :class:`bcg.BreakableGraph`, as
+``torch.cuda.graph`` records one into a ``torch.cuda.CUDAGraph``; and :func:`capture_into`,
+which make_graph and the runner use to capture a graph's forms.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from bcg.core import cudart
-from bcg.core.breakpoint import (
-    ACTIVE,
-    UNSET,
-    BreakpointSpec,
-    Recorder,
-    crossing_tensors,
-    reset_live,
-    set_live,
-    tensor_leaves,
-)
-from bcg.core.bridge import BridgeSet
-from bcg.core.compiled import CompileWatch
-from bcg.core.debug import Guards, Poison
-from bcg.core.env import env_flag
-from bcg.errors import (
-    BcgError,
-    CaptureError,
-    CaptureInvalidatedError,
-    HostSyncInCaptureError,
-    NestedCaptureError,
-    StreamForkError,
-    add_note,
-    user_line,
-)
-from bcg.core.plan import BreakpointStep, GraphParts, SegmentStep, Step
-from bcg.core.pool import (
-    OWNERSHIPS,
-    Ownership,
-    PoolHandle,
-    PoolLease,
-    PoolMembership,
-    SegmentMap,
-    graph_pool_handle,
-    pool_bytes,
-)
-from bcg.core.process import capture_lock, capture_stream, capturing, release_when_safe
-from bcg.staged.staging import NOT_INLINE, Stager
-from bcg.core.storages import StorageWatch
-from bcg.core.torch_internals import clear_cublas_workspaces
-
-if TYPE_CHECKING:
-    from bcg.graph import BreakableGraph
-    from bcg.keyed.variants import VariantPolicy
-
-log = logging.getLogger("bcg")
-
-_CAPTURE_MODES = ("global", "thread_local", "relaxed")
-
-# CUDA's texts for the ways a capture is invalidated (cudaGetErrorString), by cause.
-_HOST_SYNC_HINTS = (
-    "operation not permitted when stream is capturing",
-    "operation not permitted on an event last recorded in a capturing stream",
-    "cudaErrorStreamCaptureUnsupported",
-    "cudaErrorCapturedEvent",
-    "stream is capturing",
-    "graph capture",
-    "error during capture",
-    "operation not permitted",
-)
-_UNCAPTURED_DEPENDENCY = ("dependency created on uncaptured work in another stream", "cudaErrorStreamCaptureIsolation")
-_LEGACY_STREAM = ("would make the legacy stream depend on a capturing blocking stream", "cudaErrorStreamCaptureImplicit")
-_EARLIER_ERROR = ("operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated")
-
-
-@contextlib.contextmanager
-def switchable(label: str) -> Iterator[None]:
-    """Make the CUDA work of the block, where a capture records it, the node group ``label``:
-    :meth:`BreakableGraph.set_enabled` turns the group off (and on) for the replays that follow.
-
-    Outside a capture (eager runs, warm-ups) the block simply runs. Use it for
-    work that some replays do not need and that no enabled node depends on
-    when it is off (the runner's padded-row zeroing, when nothing is padded).
-
-    .. warning::
-        Only kernel, memcpy and memset nodes can be disabled. A block that
-        records other nodes (events, child graphs) or a staged breakpoint's copy
-        (its gate is released at every replay), or in which a segment ends
-        (a breakpoint, ``graph_break()``), makes ``label`` unswitchable for the
-        whole graph: its nodes always run and ``set_enabled`` returns False.
-    """
-    session = ACTIVE.get()
-    if isinstance(session, CaptureSession):
-        with session.switchable(label):
-            yield
-    else:
-        yield
-
-
-@dataclass(frozen=True)
-class _Fork:
-    """Side-stream work a segment left unjoined, which bcg joined at the segment's end."""
-
-    segment: int
-    before: str  # what ended the segment: "breakpoint 'attn'", "bcg.graph_break()"
-    nodes: int
-
-
-class CaptureSession(Recorder):
-    """The state of one capture in progress (the active recorder while it runs)."""
-
-    def __init__(
-        self,
-        pool: PoolHandle,
-        stream: torch.cuda.Stream,
-        capture_error_mode: str,
-        device: int,
-        ownership: Ownership = "pool",
-        after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
-        owns_pool: bool = True,
-        inline: bool = True,
-        replay_stream: torch.cuda.Stream | None = None,
-        barrier: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self._barrier = barrier
-        self.inline = inline
-        self.replay_stream = replay_stream if replay_stream is not None else stream
-        self.stager = Stager()
-        self.pool = pool
-        self.owns_pool = owns_pool
-        self.lease = PoolLease(device, pool, stream)
-        self._membership = PoolMembership(pool, device) if ownership == "pool" else None
-        self._after_breakpoint = after_breakpoint
-        self.stream = stream
-        self.stream_handle = int(stream.cuda_stream)
-        self.capture_error_mode = capture_error_mode
-        self.device = device
-        self.plan: list[Step] = []
-        self.forks: list[_Fork] = []
-        self._current: torch.cuda.CUDAGraph | None = None
-        self._segment_index = 0
-        self._breakpoint_index = 0
-        self._generator = torch.cuda.default_generators[device]
-        self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
-        self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
-        # the storages outside the pool that captured operations read (see bcg.core.storages)
-        self.watch = StorageWatch(SegmentMap([pool]).external, recording=self.recording_segment)
-
-    def recording_segment(self) -> bool:
-        """Whether a segment is open (its operations are captured; not a breakpoint's eager run)."""
-        return self._current is not None
-
-    @property
-    def segment_label(self) -> str:  # type: ignore[override]
-        return f"graph segment {self._segment_index}"
-
-    # -- segments ---------------------------------------------------------------------------
-    def open_segment(self) -> None:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
-        self._current = graph
-        self._switch_nodes = {}
-
-    def close_segment(self, before: str = "the end of the capture", run: bool = True) -> None:
-        """End the open segment; keep it (instantiated, uploaded, run once unless ``run`` is
-        False) unless empty."""
-        graph = self._current
-        assert graph is not None
-        joined = cudart.join_forked_work(self.stream_handle)
-        if joined:
-            self.forks.append(_Fork(self._segment_index, before, joined))
-            log.debug("segment %d: joined %d node(s) forked to side streams before %s", self._segment_index, joined, before)
-        _end_capture(graph)
-        self._current = None
-        handle = int(graph.raw_cuda_graph())
-        counts = cudart.node_type_counts(handle)
-        nodes = sum(counts.values())
-        if nodes == 0:
-            # Consecutive breakpoints: no launch. Kept (not reset) until the graph is,
-            # since resetting drops a count on the pool (see PoolLease).
-            self.lease.keep(graph)
-            self._vote()
-            return
-        try:
-            graph.instantiate()
-            self._vote()
-        except BaseException:
-            self.lease.keep(graph)  # never launched; freed with the capture's lease
-            raise
-        offset = self._generator.get_offset()
-        self.stager.segment_ran(run, int(self.replay_stream.cuda_stream))  # gated copies: open for its run
-        if run:
-            self._capture_run(graph)
-        else:
-            cudart.upload(int(graph.raw_cuda_graph_exec()), int(self.replay_stream.cuda_stream))
-        step = SegmentStep(
-            index=self._segment_index,
-            cuda_graph=graph,
-            nodes=nodes,
-            kernel_nodes=counts["kernel"],
-            uses_rng=self._generator.get_offset() != offset,
-            switchable={label: tuple(group) for label, group in self._switch_nodes.items()},
-        )
-        self._segment_index += 1
-        self.plan.append(step)
-        log.debug("segment %d: %d nodes (%d kernels)", step.index, nodes, step.kernel_nodes)
-
-    def _vote(self) -> None:
-        """The ranks' vote at a segment's end (``barrier``), right before its first launch, which
-        may run collectives: once a rank's capture failed, no rank launches anything more.
-        Every segment votes, empty ones too, so healthy ranks cast the same votes."""
-        if self._barrier is not None:
-            self._barrier()
-
-    def _capture_run(self, graph: torch.cuda.CUDAGraph) -> None:
-        """The segment's first launch, so that the breakpoint after it reads real data.
-
-        It runs on the stream replays will use (the caller's, when the capture
-        began), ordered between the capture stream's work before and after it:
-        an executable uploaded or launched on one stream costs about 0.5 us more
-        at every later launch on another (measured on an H200, CUDA 13), and
-        its first launch uploads it where it will run.
-        """
-        if self.replay_stream == self.stream:
-            graph.replay()
-            return
-        self.replay_stream.wait_stream(self.stream)
-        with torch.cuda.stream(self.replay_stream):
-            graph.replay()
-        self.stream.wait_stream(self.replay_stream)
-
-    @contextlib.contextmanager
-    def switchable(self, label: str) -> Iterator[None]:
-        """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
-        graph = self._current
-        # Lists the open segment's nodes twice per block: capture-time cost only.
-        before = {int(n) for n in cudart.capture_nodes(self.stream_handle)} if graph is not None else set()
-        copies = self.stager.copies
-        yield
-        if graph is None or self._current is not graph:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) ran outside one segment: its nodes always run", label)
-            return
-        if self.stager.copies != copies:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) holds a staged breakpoint's copy, which every replay's prepare "
-                      "releases: its nodes always run", label)
-            return
-        added = [n for n in cudart.capture_nodes(self.stream_handle) if int(n) not in before]
-        kinds = {cudart.node_type(n) for n in added}
-        if not kinds <= cudart.SWITCHABLE_NODE_TYPES:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) recorded %s nodes, which CUDA cannot disable: its nodes always run",
-                      label, ", ".join(sorted(kinds - cudart.SWITCHABLE_NODE_TYPES)))
-            return
-        group = self._switch_nodes.setdefault(label, [])
-        known = {int(n) for n in group}
-        group.extend(n for n in added if int(n) not in known)  # a nested block of the same label
-
-    # -- Recorder -----------------------------------------------------------------------------
-    def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.close_segment(f"breakpoint {spec.name!r}")
-        try:
-            result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
-        except BaseException as exc:
-            add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
-            raise
-        with self.lease.allocating():
-            bridges = BridgeSet(spec.name, result, args, kwargs)
-        caller_result = bridges.caller_result()
-        crossing = crossing_tensors(bridges.tensors(), spec, args, kwargs)
-        held_args, held_kwargs = args, dict(kwargs)
-        if self._membership is not None:
-            bridges.hold_through(self._membership.release)
-            held_args, held_kwargs = self._membership.release((held_args, held_kwargs))
-        self.plan.append(
-            BreakpointStep(spec=spec, args=held_args, kwargs=held_kwargs, bridges=bridges, index=self._breakpoint_index)
-        )
-        self._breakpoint_index += 1
-        log.debug("breakpoint %r after segment %d", spec.name, self._segment_index - 1)
-        self.open_segment()
-        if self._after_breakpoint is not None:
-            self._after_breakpoint(crossing)  # captured at the start of the next segment
-        return caller_result
-
-    def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A staged breakpoint, inline: its ``prepare``'s uploads and its kernels join the segment."""
-        if not self.inline:
-            return self.on_breakpoint(spec, args, kwargs)
-        try:
-            result = self.stager.record(self, spec, args, kwargs)
-        except BaseException as exc:
-            add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
-            raise
-        if result is NOT_INLINE:
-            return self.on_breakpoint(spec, args, kwargs)
-        if self._after_breakpoint is not None:
-            self._after_breakpoint(crossing_tensors(tensor_leaves(result), spec, args, kwargs))
-        return result
-
-    def on_graph_break(self) -> None:
-        self.close_segment("bcg.graph_break()")
-        self.open_segment()
-
-    def pool_resident_tensors(self) -> list[torch.Tensor]:
-        """The breakpoint arguments and bridges the plan holds that live in the pool, each once."""
-        membership = PoolMembership(self.pool, self.device)
-        held: dict[int, torch.Tensor] = {}
-        for step in self.plan:
-            if isinstance(step, BreakpointStep):
-                bridges = step.bridges.tensors() if step.bridges is not None else []
-                for t in pytree.tree_leaves((step.args, step.kwargs, bridges)):
-                    if isinstance(t, torch.Tensor) and membership.contains(t):
-                        held.setdefault(id(t), t)
-        return list(held.values())
-
-    # -- failure ------------------------------------------------------------------
-    def abort(self) -> None:
-        """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
-        graph, self._current = self._current, None
-        if graph is not None:
-            unwind_capture(graph, self.stream, self.device, self.pool)
-            graph.reset()
-        for step in self.plan:
-            step.release()
-        self.plan.clear()
-        try:
-            self.stager.settle()  # no gate left open for a segment that never ran
-        except Exception as exc:  # a sticky CUDA error: the context is lost anyway
-            log.debug("bcg: settling the staged gates of an abandoned capture: %r", exc)
-        if self.owns_pool:
-            self.lease.release()
-            release_when_safe(torch.cuda.empty_cache)  # an abandoned pool of our own goes back to the driver
+from bcg.core.breakpoint import UNSET
+from bcg.core.debug import Debug
+from bcg.core.plan import Recording
+from bcg.core.pool import PoolHandle
+from bcg.core.session import Capture, CaptureOptions
+from bcg.errors import CaptureError
+from bcg.graph import BreakableGraph
+from bcg.keyed.variants import VariantPolicy
+from bcg.staged.staging import Stager
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
     """Capture the CUDA work of a ``with`` block into a :class:`bcg.BreakableGraph`.
 
+    Each ``@bcg.breakpoint`` call inside ends the current graph segment, runs
+    eagerly, and begins the next one; ``graph.replay()`` then runs segment,
+    breakpoint, segment, ... in stream order.
+
     Arguments:
         graph: the graph to fill (empty, or reset).
         pool: a private memory pool to share with other graphs (``graph.pool()``
             or :func:`bcg.graph_pool_handle`); default: a new one.
-        stream: the capture stream; default: bcg's capture stream of the device
-            (one per device and process, as ``torch.cuda.graph`` has its own).
+        stream: the capture stream; default: bcg's capture stream of the device.
         capture_error_mode: as in ``torch.cuda.graph``.
         live: what :func:`bcg.live` returns inside breakpoints during capture.
-        ownership: who keeps breakpoint arguments and bridges alive (see
-            :mod:`bcg.core.pool`).
-        after_breakpoint: called inside the segment after each breakpoint with
-            the tensors crossing it (bridges and mutated arguments); its CUDA
-            work is captured there.
-        inputs: the static inputs, for guards.
-        guards: check before each replay that inputs and breakpoint arguments
-            keep their captured address and layout (default: env ``BCG_GUARDS``).
-        poison: fill the pool's free memory with NaN before each replay
-            (default: env ``BCG_POISON``; see :mod:`bcg.core.debug`).
-        inline: capture staged breakpoints (``prepare=``/``fits=``) inline, in
-            the segment (default); ``False`` captures them as breakpoints (the
-            breakable form). A graph with inline breakpoints replays only
-            metadata that fits, unless it has a fallback (see
-            :meth:`bcg.BreakableGraph.set_fallback`; ``make_graph`` and
-            ``GraphRunner`` capture one).
-        variants: a :class:`bcg.VariantPolicy`, the bounds of keyed
-            breakpoints' variants and stitched executables (default: its defaults).
-        barrier: called at the end of each segment, before its first launch
-            (which may run collectives) and the breakpoint after it; raising
-            abandons the capture, with that segment never launched. Multi-GPU:
-            :meth:`bcg.distributed.agreement.CaptureVote.barrier` keeps ranks together.
-        compute_outputs: run the last segment once at the capture's end, as each
-            segment before a breakpoint runs (so that the breakpoint reads real
-            data): the block's outputs then hold its results (default). ``False``
-            uploads it only, as ``torch.cuda.graph`` runs nothing: the outputs
-            hold their values from the first replay on, and the capture costs
-            one less run of that work on the GPU.
+        variants: a :class:`bcg.VariantPolicy`, the bounds of keyed breakpoints'
+            variants and stitched executables (default: its defaults).
+        debug: a :class:`bcg.Debug`, aids checked before every replay (default:
+            ``BCG_GUARDS`` and ``BCG_POISON`` from the environment).
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -396,23 +50,20 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
           ``bcg.live()`` (it raises; see :func:`bcg.live`).
         * Work forked to a side stream must be joined back before the next
           breakpoint; a fork that crosses a breakpoint is joined there by bcg,
-          and a later join raises :class:`bcg.StreamForkError`.
-        * Do not drop the last reference to a CUDA graph inside the capture.
-        * Graphs sharing a pool must not replay concurrently; a graph's outputs
-          are valid until another graph in the same pool replays.
+          and a later join raises :class:`bcg.errors.StreamForkError`.
+        * Graphs sharing a pool must not replay concurrently; a graph's outputs are
+          valid until another graph in the same pool replays.
 
     .. warning::
         Process-wide for the capture's duration: captures are serialized (a
-        second thread's capture waits), Python's cycle collector is paused, and
-        Inductor's own CUDA graphs are off (see :mod:`bcg.core.compiled`).
+        second thread's capture waits), Python's cycle collector is paused,
+        Inductor's own CUDA graphs are off, and bcg's frees of CUDA graph
+        resources wait until the capture ends.
 
     .. warning::
-        Whether a segment draws random numbers is learnt from its run at capture
-        (torch moves the generator only when a graph runs). With
-        ``compute_outputs=False`` the last segment is taken to draw none: keep
-        the default for code that draws random numbers after its last breakpoint,
-        or its replays would repeat the same numbers (``GraphRunner`` checks its
-        eager warm-up and runs the segment when the forward drew any).
+        A staged breakpoint whose live metadata does not fit at replay needs the
+        graph's breakable form, which ``bcg.make_graph`` and ``bcg.GraphRunner``
+        capture; a graph of this context manager then raises :class:`bcg.ReplayError`.
     """
 
     def __init__(
@@ -423,418 +74,96 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         live: Any = UNSET,
-        ownership: Ownership = "pool",
-        after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
-        inputs: Any = None,
-        guards: bool | None = None,
-        poison: bool | None = None,
-        inline: bool = True,
         variants: VariantPolicy | None = None,
-        barrier: Callable[[], None] | None = None,
-        compute_outputs: bool = True,
+        debug: Debug | None = None,
     ) -> None:
-        if ownership not in OWNERSHIPS:
-            raise ValueError(f"ownership must be one of {OWNERSHIPS}, not {ownership!r}")
-        if capture_error_mode not in _CAPTURE_MODES:
-            raise ValueError(f"capture_error_mode must be one of {_CAPTURE_MODES}, not {capture_error_mode!r}")
         self.graph = graph
-        self._pool = pool
-        self._stream = stream
-        self._mode = capture_error_mode
-        self._live = live
-        self._ownership: Ownership = ownership
-        self._after_breakpoint = after_breakpoint
-        self._inputs = inputs
-        self._guards = env_flag("BCG_GUARDS") if guards is None else guards
-        self._poison = env_flag("BCG_POISON") if poison is None else poison
-        self._inline = inline
+        self._options = CaptureOptions(pool=pool, stream=stream, capture_error_mode=capture_error_mode, live=live,
+                                       debug=debug if debug is not None else Debug.from_env())
         self._variants = variants
-        self._barrier = barrier
-        self._compute_outputs = compute_outputs
-        self._session: CaptureSession | None = None
+        self._capture: Capture | None = None
 
     def __enter__(self) -> BreakableGraph:
-        if not torch.cuda.is_available():
-            raise CaptureError(
-                "bcg.capture needs a CUDA GPU and a CUDA build of torch; none is available. "
-                "To run the same code with the same breakpoint structure eagerly, use "
-                "bcg.make_graph(fn, *args, mode='eager')"
-            )
-        if ACTIVE.get() is not None or torch.cuda.is_current_stream_capturing():
-            raise NestedCaptureError(
-                "bcg.capture was entered while another capture is underway; captures cannot "
-                "nest: finish (exit) the outer capture first"
-            )
         if self.graph.is_captured:
             raise CaptureError("this BreakableGraph already holds a capture: call graph.reset() first")
-        cudart.runtime()  # fail early and clearly if cuda-python is missing
-        device = torch.cuda.current_device()
-        stream = self._stream if self._stream is not None else capture_stream(device)
-        if stream == torch.cuda.default_stream(device):
-            raise CaptureError("bcg.capture cannot capture on the default stream: pass a torch.cuda.Stream()")
-        lock = capture_lock()
-        if not lock.acquire(blocking=False):
-            log.debug("bcg.capture: waiting for another thread's capture to end")
-            lock.acquire()
-        try:
-            self._capturing = capturing()  # frees asked for from now on wait until the capture ends
-            self._capturing.__enter__()
-        finally:
-            lock.release()  # (held on by capturing())
-        try:
-            torch.cuda.synchronize(device)
-            # As torch.cuda.graph does: blocks cached for eager work (the warm-up's) go back to
-            # the driver, so the capture's private pool can have that memory.
-            torch.cuda.empty_cache()
-            pool = self._pool if self._pool is not None else graph_pool_handle()
-            self._ambient = torch.cuda.current_stream(device)
-            stream.wait_stream(self._ambient)
-            self._session = CaptureSession(
-                pool, stream, self._mode, device, self._ownership, self._after_breakpoint,
-                owns_pool=self._pool is None, inline=self._inline, replay_stream=self._ambient,
-                barrier=self._barrier,
-            )
-        except BaseException:
-            self._capturing.__exit__(None, None, None)
-            raise
-        self._stream_ctx = torch.cuda.stream(stream)
-        self._stream_ctx.__enter__()
-        self._active_token = ACTIVE.set(self._session)
-        self._live_token = set_live(self._live)
-        self._compile_watch = CompileWatch().__enter__()
-        self._watch: StorageWatch | None = self._session.watch
-        self._watch.__enter__()
-        self._t0 = time.perf_counter()
-        try:
-            self._session.open_segment()
-        except BaseException as exc:
-            self._fail(self._session, exc)
-            raise
+        self._capture = Capture(self._options, Stager())
+        self._capture.__enter__()
         return self.graph
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        session = self._session
-        assert session is not None
-        self._session = None
-        if exc is None:
-            try:
-                session.close_segment(run=self._compute_outputs)
-            except BaseException as close_exc:
-                raise self._abandon(session, close_exc) from close_exc
-            capture_s = time.perf_counter() - self._t0
-            compiled = self._compile_watch.message()
-            if compiled is not None:
-                log.warning("%s", compiled)
-            try:
-                self._ambient.wait_stream(session.stream)
-                pool_resident = session.pool_resident_tensors() if self._poison or self._ownership == "graph" else []
-                self.graph.install(
-                    GraphParts(
-                        plan=session.plan,
-                        capture_s=capture_s,
-                        pool=session.pool,
-                        device=session.device,
-                        lease=session.lease,
-                        guards=self._build_guards(session) if self._guards else None,
-                        poison=self._build_poison(pool_resident, session) if self._poison else None,
-                        held_bytes=self._held_bytes(pool_resident, session),
-                        stager=session.stager or None,
-                        variant_policy=self._variants,
-                        unswitchable=frozenset(session.unswitchable),
-                        held=session.watch.held("this graph's segments", []),
-                    )
-                )
-            finally:
-                self._restore()
-            log.info(
-                "bcg: captured %d segment(s) and %d breakpoint(s) in %.3f s",
-                self.graph.num_segments, self.graph.num_breakpoints, capture_s,
-            )
-            return False
-        translated = self._abandon(session, exc)
-        if translated is exc:
-            return False
-        raise translated from exc
-
-    def _build_guards(self, session: CaptureSession) -> Guards:
-        guards = Guards()
-        if self._inputs is not None:
-            for i, x in enumerate(self._inputs if isinstance(self._inputs, (tuple, list)) else (self._inputs,)):
-                guards.add(f"static input {i}", x)
-        for step in session.plan:
-            if isinstance(step, BreakpointStep):
-                for i, a in enumerate(step.args):
-                    guards.add(f"argument {i} of breakpoint {step.name!r}", a)
-                for k, a in step.kwargs.items():
-                    guards.add(f"argument {k!r} of breakpoint {step.name!r}", a)
-        return guards
-
-    def _build_poison(self, pool_resident: list[torch.Tensor], session: CaptureSession) -> Poison:
-        log.warning("bcg: poison mode is on: free pool memory is filled with NaN before every replay (slow)")
-        return Poison(session.pool, session.device, pool_resident)
-
-    def _held_bytes(self, pool_resident: list[torch.Tensor], session: CaptureSession) -> int:
-        """Pool bytes the plan keeps alive itself (``ownership="graph"``); warns when they dominate the pool."""
-        if self._ownership != "graph":
-            return 0
-        held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pool_resident}.values())
-        total = pool_bytes(session.pool, session.device)
-        if held and total > 2 * (total - held):
-            log.warning(
-                "bcg: this capture's pool is %.1f MiB, %.1f MiB of it breakpoint arguments and bridges that "
-                "ownership='graph' keeps alive for the graph's lifetime (none of it is reused by later "
-                "segments); the default ownership='pool' reuses it as torch.cuda.graph reuses temporaries",
-                total / 2**20, held / 2**20,
-            )
-        return held
-
-    def _restore(self) -> None:
-        """Undo ``__enter__``'s process-wide and context changes; the capture ends last (the
-        capture lock is released, and frees deferred meanwhile run)."""
+        cap = self._capture
+        assert cap is not None
+        self._capture = None
         try:
-            self._session_watch_exit()
-            self._compile_watch.__exit__(None, None, None)
-            reset_live(self._live_token)
-            ACTIVE.reset(self._active_token)
-            self._stream_ctx.__exit__(None, None, None)
+            suppress = cap.__exit__(exc_type, exc, tb)
         finally:
-            try:
-                clear_cublas_workspaces()  # no cache keeps the workspace the captured kernels use
-            finally:
-                self._capturing.__exit__(None, None, None)
-
-    def _session_watch_exit(self) -> None:
-        watch = self._watch
-        if watch is not None:
-            self._watch = None
-            watch.__exit__(None, None, None)
-
-    def _abandon(self, session: CaptureSession, exc: BaseException) -> BaseException:
-        """Abandon the capture after ``exc``; return the exception to raise (maybe translated)."""
-        compiled = self._compile_watch.message()
-        status = cudart.capture_status(session.stream_handle)
-        translated = _diagnose(exc, session, status)
-        self._fail(session, exc)
-        if compiled is not None:
-            add_note(translated, compiled)
-        return translated
-
-    def _fail(self, session: CaptureSession, exc: BaseException) -> None:
-        try:
-            session.abort()
-            if not session.owns_pool:
-                # A pool the caller gave us stays usable: torch refuses to capture into a pool
-                # whose count dropped to zero while tensors still live in it. The graph keeps
-                # the count until it is reset or captured again.
-                self.graph.hold(session.lease)
-            try:
-                torch.cuda.synchronize(session.device)
-            except RuntimeError:  # a sticky device error: the original exception says more
-                log.exception("bcg: device synchronize after an abandoned capture failed")
-        finally:
-            self._restore()
+            if cap.failed_lease is not None:
+                self.graph.hold(cap.failed_lease)
+        if exc is None and cap.recording is not None:
+            _install(self.graph, cap.recording, None, self._variants)
+        return suppress
 
 
-_CLEAN = "The capture was abandoned; CUDA state is clean."
+def capture_into(
+    graph: BreakableGraph,
+    fn: Callable[[], Any],
+    options: CaptureOptions,
+    *,
+    variants: VariantPolicy | None = None,
+    form: str = "main",
+    agree: Callable[[], bool] | None = None,
+    release: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Capture ``fn()`` into ``graph``; return what it returned.
 
-
-def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseException:
-    """The error to raise for ``exc``, which ended a capture: CUDA's cause, told apart and explained."""
-    if isinstance(exc, BcgError) or session._current is None:
-        return exc  # bcg's own errors, and errors outside a segment (a breakpoint's), speak for themselves
-    text = str(exc)
-    where = user_line(traceback.extract_tb(exc.__traceback__))
-    at = f" at {where}" if where else ""
-    segment = f"graph segment {session._segment_index}"
-    if any(h in text for h in _UNCAPTURED_DEPENDENCY):
-        streams = _streams_in(exc.__traceback__, session.stream_handle)
-        named = f" (stream {', '.join(streams)})" if streams else ""
-        if session.forks:
-            fork = session.forks[-1]
-            cause = (
-                f"Segment {fork.segment} forked work to a side stream{named} and did not join it back "
-                f"before {fork.before}; bcg joined it there (so the side work finished before the "
-                "break, and its overlap was lost), and the side stream's later work is outside the "
-                "capture. A fork must not cross a breakpoint: join the side stream "
-                "(torch.cuda.current_stream().wait_stream(side)) before the breakpoint and fork again "
-                "after it, or move the overlapped work into the breakpoint."
-            )
-        else:
-            cause = (
-                f"The stream it waited on{named} ran that work outside the capture (before it began, "
-                "or during a breakpoint). Fork side streams from the capture stream inside the "
-                "segment (side.wait_stream(torch.cuda.current_stream())) before using them."
-            )
-        return StreamForkError(f"{segment} waited{at} on another stream's work from outside the capture: {exc}\n{cause} {_CLEAN}")
-    if any(h in text for h in _LEGACY_STREAM):
-        return CaptureInvalidatedError(
-            f"{segment} issued work{at} that involves the legacy default stream while capturing: {exc}\n"
-            "Run segment code on the current (capture) stream; create side streams with "
-            f"torch.cuda.Stream(), not the default stream. {_CLEAN}"
-        )
-    if any(h in text for h in _EARLIER_ERROR) or (status == "invalidated" and not any(h in text for h in _HOST_SYNC_HINTS)):
-        return CaptureInvalidatedError(
-            f"{segment} failed{at} because the capture had already been invalidated earlier: {exc}\n"
-            "The line above is where CUDA reported it, not necessarily the cause. Look for an "
-            "operation that needs the host in this segment (.item(), a pageable copy, "
-            "synchronize), or, in capture_error_mode='global', for another thread that ran an "
-            "unsafe CUDA call (cudaMalloc, a synchronize) during the capture. "
-            f"{_CLEAN}"
-        )
-    if status == "invalidated" or any(h in text for h in _HOST_SYNC_HINTS):
-        return HostSyncInCaptureError(
-            f"an operation that needs the host ran inside {segment}{at}: {exc}\n"
-            "Segments may only enqueue GPU work. Move host-synchronizing code (.item(), "
-            ".tolist(), .cpu(), printing a tensor, copies from pageable host memory, "
-            "data-dependent control flow) into a @bcg.breakpoint function, or read the "
-            "value from bcg.live() inside one. If the segment holds no such code, it ran code for "
-            "the first time (lazy kernel loading, library handles): run it once eagerly before "
-            f"capturing. {_CLEAN}"
-        )
-    return exc
-
-
-def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: int, pool: PoolHandle) -> None:
-    """End ``graph``'s capture on ``stream`` through torch's own ``capture_end``, whatever state it is in.
-
-    An invalidated capture (a host sync inside a segment) makes torch's
-    ``capture_end`` raise before it unwinds its state (allocator routing in
-    the device and pinned-host allocators, RNG capture state). So the
-    invalidated capture is discarded and an empty one re-armed on the same
-    stream: torch's ``capture_end`` then succeeds and unwinds everything, and
-    ``reset()`` drops the pool counts as after any capture.
+    Arguments:
+        form: ``"main"``: the graph's first form (the graph must be empty);
+            ``"breakable"``: its breakable form (staged breakpoints recorded as
+            breakpoints), captured into its pool; ``"tier"``: a staged form with
+            smaller bounds (its ``fn`` ends by copying its outputs into the
+            graph's). A failed ``"breakable"`` capture resets the graph (a staged
+            graph without it would refuse metadata that does not fit).
+        agree: asked once the capture succeeded (ranks' vote): False frees it and
+            raises :class:`bcg.CaptureError`.
+        release: maps a form's outputs before the graph keeps them (the runner's
+            non-owning aliases, so later captures into the pool reuse that memory).
     """
-    handle = int(stream.cuda_stream)
-    for attempt in (1, 2):
-        try:
-            if cudart.capture_status(handle) != "active":
-                cudart.end_capture(handle)
-                cudart.begin_capture(handle)
-            with torch.cuda.stream(stream):
-                _end_capture(graph)
-            return
-        except Exception:
-            # torch's capture_end ended an invalidated capture, then raised: the stream is
-            # no longer capturing, so the second attempt re-arms it and succeeds.
-            if attempt == 1:
-                continue
-            log.exception("bcg: unwinding an abandoned capture through torch failed; cleaning up directly")
-            cudart.end_capture(handle)
-            with contextlib.suppress(RuntimeError):
-                # torch's private allocator-routing calls: the only way to undo them by hand
-                # (no public API ends a pool's routing outside capture_end)
-                torch._C._cuda_endAllocateToPool(device, pool)
-                torch._C._cuda_releasePool(device, pool)
-            _reset_rng_capture_state(stream)
-
-
-def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
-    """``graph.capture_begin`` on ``stream`` (the current stream); if it fails, no capture is left
-    open on ``stream`` and torch's RNG capture state is closed.
-
-    Torch's cached cuBLAS workspaces are dropped first, so that the segment's
-    matmuls allocate theirs inside the capture, in the graph's own pool
-    (see :func:`bcg.core.torch_internals.clear_cublas_workspaces`)."""
-    clear_cublas_workspaces()
+    if form != "main":
+        options = dataclasses.replace(options, pool=graph.pool(), inline=form == "tier", watch=False)
+    cap = Capture(options, Stager())
     try:
-        graph.capture_begin(pool=pool, capture_error_mode=mode)
-    except BaseException:
-        cudart.end_capture(int(stream.cuda_stream))
-        _reset_rng_capture_state(stream)  # torch opened it before failing
-        raise
-
-
-def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """``graph.capture_end``, without torch's warning for an empty graph (consecutive breakpoints)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        graph.capture_end()
-
-
-def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
-                 graph_pool: PoolHandle | None = None) -> tuple[torch.cuda.CUDAGraph, int, StorageWatch]:
-    """Capture ``fn()`` alone into a new ``torch.cuda.CUDAGraph(keep_graph=True)`` in ``pool``.
-
-    Returns ``(graph, nodes, watch)``: the graph instantiated when ``nodes`` >
-    0, never run (its first launch uploads it on the stream that launches it),
-    and the :class:`~bcg.core.storages.StorageWatch` of the storages it read outside
-    ``pool`` and ``graph_pool``. Captured in ``"thread_local"`` mode (other
-    threads' CUDA calls neither break it nor are refused) on bcg's capture
-    stream of ``device``, holding the capture lock. On any failure the capture
-    is unwound (no stream left capturing, RNG and allocator state closed), the
-    graph freed, and the exception re-raised.
-    """
-    stream = capture_stream(device)
-    with capturing():
-        stream.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        pools = [pool] if graph_pool is None else [pool, graph_pool]
-        watch = StorageWatch(SegmentMap(pools).external, recording=lambda: True)
-        try:
-            with torch.cuda.stream(stream):
-                _begin_capture(graph, pool, "thread_local", stream)
-                try:
-                    with watch:
-                        fn()
-                    _end_capture(graph)
-                except BaseException:
-                    unwind_capture(graph, stream, device, pool)
-                    graph.reset()  # never launched, and no capture is underway any more
-                    raise
-        finally:
-            clear_cublas_workspaces()
-        nodes = sum(cudart.node_type_counts(int(graph.raw_cuda_graph())).values())
-        if nodes:
-            graph.instantiate()
-    return graph, nodes, watch
-
-
-def capture_fallback(graph: BreakableGraph, fn: Callable[[], Any], release: Callable[[Any], Any] | None = None,
-                     **options: Any) -> Any:
-    """Capture ``fn()`` again, as the breakable form of ``graph``, into its pool; attach it.
-
-    ``graph`` holds the inline form, and its ``outputs`` must be set (held, so
-    that the new capture keeps apart from them). ``release`` maps the fallback's
-    outputs before they are kept (the runner's non-owning aliases). ``options``
-    are :class:`capture`'s. On failure ``graph`` is reset and the error raised:
-    a graph whose fallback is missing would refuse metadata that does not fit.
-    """
-    fallback = type(graph)()
-    try:
-        with capture(fallback, pool=graph.pool(), inline=False, **options):
+        with cap:
             out = fn()
-        fallback.outputs = release(out) if release is not None else out
-        graph.set_fallback(fallback)
     except BaseException:
-        fallback.reset()
-        graph.reset()
+        if cap.failed_lease is not None:
+            graph.hold(cap.failed_lease)
+        if form == "breakable":
+            graph.reset()
         raise
-    return fallback
+    assert cap.recording is not None
+    kept = None if form == "main" else (release(out) if release is not None else out)
+    _install(graph, cap.recording, kept, variants, form, agree)
+    return out
 
 
-def _streams_in(tb: TracebackType | None, capture_handle: int) -> list[str]:
-    """The CUDA streams other than the capture stream that the failing frames were handling."""
-    found: dict[int, str] = {}
-    while tb is not None:
-        for value in list(tb.tb_frame.f_locals.values()):
-            if isinstance(value, torch.cuda.Stream) and int(value.cuda_stream) != capture_handle:
-                found.setdefault(int(value.cuda_stream), f"{int(value.cuda_stream):#x} on {value.device}")
-        tb = tb.tb_next
-    return list(found.values())
-
-
-def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
-    """Close the RNG generator's capture state left open by a failed ``capture_end``.
-
-    torch marks the default generator as capturing in ``capture_begin`` and
-    unmarks it only in a successful ``capture_end``; after a failed one every
-    eager random op would raise. An empty capture runs the prologue/epilogue pair.
-    """
-    repair = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        repair.capture_begin(capture_error_mode="thread_local")  # (see PoolLease: other threads go on)
-        repair.capture_end()
-    repair.reset()
+def _install(graph: BreakableGraph, recording: Recording, outputs: Any, variants: VariantPolicy | None,
+             form: str = "main", agree: Callable[[], bool] | None = None) -> None:
+    """Give ``recording`` to ``graph`` (its first form, or another one); freed if the graph (or
+    another rank) refuses it."""
+    try:
+        if agree is not None and not agree():
+            raise CaptureError("another rank failed to capture it")
+        if form == "main":
+            graph.install(recording, variants)
+        else:
+            graph.add_form(recording, outputs, tier=form == "tier")
+    except BaseException:
+        for step in recording.plan:
+            step.release()
+        if recording.lease is not None:
+            recording.lease.release()
+        if form == "breakable":
+            graph.reset()
+        raise

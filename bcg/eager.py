@@ -7,7 +7,7 @@ mode, so a region with no tensor work is not a segment, as in graph mode. Each
 breakpoint call's output contract is recorded (a :class:`bcg.core.bridge.BridgeSet`
 that allocates nothing) and every replay is checked against it: the same
 breakpoints in the same order, the same output structure, shapes, dtypes,
-frozen values and in-place results, or :class:`bcg.BreakpointOutputMismatch`
+frozen values and in-place results, or :class:`bcg.errors.BreakpointOutputMismatch`
 -- the debugging mode is at least as strict as graph mode. Staged
 breakpoints run as in graph mode: inline (the recorded ``prepare`` values,
 this replay's buffers uploaded) when every one fits, else the breakable form.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from bcg.core.torch_internals import TorchDispatchMode
 
 from bcg.core.breakpoint import BreakpointSpec, Recorder, live
 from bcg.core.bridge import BridgeSet

@@ -62,6 +62,10 @@ class ReplayError(BcgError):
     """A replay was refused before any work was launched, or a breakpoint broke its contract."""
 
 
+class GuardError(ReplayError):
+    """A tensor the graph captured no longer has its captured address or layout (``Debug(guards=True)``)."""
+
+
 class StaleTensorError(ReplayError):
     """A tensor the graph reads was replaced: nothing but the graph holds its storage any more."""
 
@@ -72,7 +76,7 @@ class BreakpointOutputMismatch(ReplayError):
 
 class VerificationError(BcgError):
     """Replay and eager disagree: raised by :func:`bcg.verify` (``.report`` holds its
-    :class:`bcg.VerifyReport`) and by a keyed breakpoint's audit (``.report`` is None)."""
+    :class:`bcg.verify.VerifyReport`) and by a keyed breakpoint's audit (``.report`` is None)."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
+from bcg.capture import capture_into
 from bcg.core.breakpoint import UNSET, recording
-from bcg.capture import capture, capture_fallback
-from bcg.eager import EagerRecorder, EagerReplay
-from bcg.graph import BreakableGraph, copy_outputs_into
-from bcg.core.plan import GraphParts, GraphSource
+from bcg.core.debug import Debug
+from bcg.core.plan import GraphSource, Recording
 from bcg.core.pool import PoolHandle
 from bcg.core.process import capture_lock, capture_stream
-from bcg.staged.staging import StagedWarmup
+from bcg.core.session import CaptureOptions
+from bcg.eager import EagerRecorder, EagerReplay
+from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.keyed.variants import VariantPolicy
+from bcg.staged.staging import StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -34,25 +36,28 @@ def make_graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     warmup: int = 1,
-    ownership: str = "pool",
-    guards: bool | None = None,
-    poison: bool | None = None,
     variants: VariantPolicy | None = None,
+    debug: Debug | None = None,
 ) -> BreakableGraph:
     """Capture ``fn(*static_args)`` and return the graph; its result is ``graph.outputs``.
 
     ``mode="graph"`` warms ``fn`` up ``warmup`` times eagerly on the capture
-    stream, then captures it. ``mode="eager"`` runs ``fn`` eagerly, records the
-    same segment/breakpoint structure, and makes ``replay()`` re-run ``fn`` on
-    the static arguments and copy the result into ``graph.outputs`` (for
-    debugging and machines with no CUDA). Without CUDA, ``mode="graph"`` falls
-    back to eager mode with a warning. Constraints: feed new inputs by writing
-    into ``static_args`` in place; ``fn`` must return the same structure every run.
-    ``ownership``, ``guards``, ``poison`` and ``variants`` are passed to :class:`bcg.capture`
-    (``static_args`` are the guarded inputs). When ``fn`` calls staged
-    breakpoints (see :mod:`bcg.staged.staging`), the graph captures them inline and
-    also holds its breakable form, in the same pool, which replays whenever
-    the live metadata does not fit; ``outputs`` are the same tensors either way.
+    stream, then captures it; when ``fn`` calls staged breakpoints it also
+    captures the graph's breakable form, in the same pool, which replays
+    whenever the live metadata does not fit (``outputs`` are the same tensors
+    either way). ``mode="eager"`` runs ``fn`` eagerly, records the same
+    segment/breakpoint structure, and makes ``replay()`` re-run ``fn`` on the
+    static arguments and copy the result into ``graph.outputs`` (for debugging
+    and machines with no CUDA). Without CUDA, ``mode="graph"`` falls back to
+    eager mode with a warning.
+
+    Arguments:
+        fn, static_args: the function and its inputs (feed new inputs by writing
+            into ``static_args`` in place; ``Debug(guards=True)`` checks it).
+        live, pool, stream, capture_error_mode, variants, debug: as in :class:`bcg.capture`.
+        warmup: eager runs before the capture.
+
+    ``fn`` must return the same structure every run.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
@@ -73,21 +78,20 @@ def make_graph(
             outputs = source()
 
         def rerun() -> None:
-            checker = EagerReplay(graph.plan, recorder.stager, graph.variants)
+            checker = EagerReplay(graph.plan, recorder.stager, graph.forms[0].variants)
             with recording(checker):
                 result = source()
             checker.finish()
             copy_outputs_into(graph.outputs, result, "an eager replay")
 
         graph.install(
-            GraphParts(
-                recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun,
-                stager=recorder.stager or None, variant_policy=variants,
-            )
+            Recording(recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun,
+                      stager=recorder.stager or None),
+            variants,
         )
         log.info(
             "bcg: recorded %d segment(s) and %d breakpoint(s) in eager mode in %.3f s",
-            graph.num_segments, graph.num_breakpoints, graph.stats().capture_s,
+            graph.stats().segments, graph.stats().breakpoints, graph.stats().capture_s,
         )
     else:
         with capture_lock():  # the warm-up runs on the shared capture stream: no other capture meanwhile
@@ -97,21 +101,12 @@ def make_graph(
                 for _ in range(warmup):  # staged breakpoints run inline, as they will be captured
                     with recording(StagedWarmup(), live):
                         source()
-            options: dict[str, Any] = dict(
-                stream=stream,
-                capture_error_mode=capture_error_mode,
-                live=live,
-                ownership=ownership,
-                inputs=static_args,
-                guards=guards,
-                poison=poison,
-                variants=variants,
-            )
-            with capture(graph, pool=pool, **options):
-                outputs = source()
+            options = CaptureOptions(pool=pool, stream=stream, capture_error_mode=capture_error_mode, live=live,
+                                     debug=debug, inputs=static_args)
+            outputs = capture_into(graph, source, options, variants=variants)
             graph.outputs = outputs
             if graph.staged:  # the breakable form, for metadata outside the staged bounds
-                capture_fallback(graph, source, **options)
+                capture_into(graph, source, options, form="breakable")
     graph.outputs = outputs
     graph.source = source
     return graph

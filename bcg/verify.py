@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
 from bcg.core.breakpoint import BreakpointSpec, Recorder, live_scope, recording
 from bcg.errors import VerificationError
@@ -184,7 +184,7 @@ def verify(
             dst.copy_(src)
         eager_taps, eager_out = _tapped_eager(source, live, plan)
         found = _compare(plan, i, live, replay_taps, replay_out, eager_taps, eager_out, rtol, atol)
-        if found is None and (_keyed(plan) or graph.prepares_after_launch):
+        if found is None and _keyed(plan):
             found = _whole_replay(graph, live, i, static, saved, eager_out, rtol, atol)
         if found is not None:
             mismatches.append(found)
@@ -197,40 +197,32 @@ def verify(
 
 
 def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor], tuple[Step, ...]]:
-    """The replay's taps and outputs, and the plan that ran (the inline one, or the fallback's)."""
+    """The replay's taps and outputs, and the plan that ran: that of the form a replay with
+    ``live`` runs (:meth:`bcg.BreakableGraph.choose`), step by step."""
     if graph.mode != "graph":
         assert graph.source is not None
         taps, _ = _tapped_eager(graph.source, live, graph.plan)
         graph.replay(live=live)
         return taps, _tensors(graph.outputs), graph.plan
-    ran = graph
-    if graph.would_fall_back(live) is not None:
-        if graph.fallback is None:
-            graph.replay(live)  # raises: says why, and what to do
-        ran = graph.fallback  # type: ignore[assignment]
-    else:
-        graph.prepare_staged(live)
-    plan = ran.plan
+    graph.check_held()
+    form = graph.forms[graph.choose(live)]
+    plan = form.plan
     taps: list[_Tap] = []
     with live_scope(live):
-        try:
-            if ran.variants is not None:
-                ran.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
-            for step in plan:
-                if isinstance(step, BreakpointStep):
-                    tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
-                    step.launch()
-                    bridges = step.bridges.tensors() if step.bridges is not None else []
-                    tap.outputs = _written_tensors(step.spec, bridges, step.args, step.kwargs)
-                    taps.append(tap)
-                else:
-                    step.launch()
-        except BaseException:
-            if ran is graph:
-                graph.settle_staged()  # a gate opened for a segment that did not launch
-            raise
-    if plan is not graph.plan:
-        copy_outputs_into(graph.outputs, graph.fallback.outputs, "the breakable form")  # type: ignore[union-attr]
+        form.prepare(live)
+        if form.variants is not None:
+            form.variants.begin_replay(live, stitch=False)  # keys for the steps; a hit launches its variant
+        for step in plan:
+            if isinstance(step, BreakpointStep):
+                tap = _Tap(step.name, _read_tensors(step.spec, step.args, step.kwargs))
+                step.launch()
+                bridges = step.bridges.tensors() if step.bridges is not None else []
+                tap.outputs = _written_tensors(step.spec, bridges, step.args, step.kwargs)
+                taps.append(tap)
+            else:
+                step.launch()
+    if form.outputs is not None and form.outputs is not graph.outputs:
+        copy_outputs_into(graph.outputs, form.outputs, f"the {form.name} form")
     return taps, _tensors(graph.outputs), plan
 
 
@@ -241,11 +233,10 @@ def _keyed(plan: tuple[Step, ...]) -> bool:
 def _whole_replay(graph: BreakableGraph, live: Any, sample: int, static: Any, saved: list[torch.Tensor],
                   eager_out: list[torch.Tensor], rtol: float, atol: float) -> Mismatch | None:
     """Replay the whole graph again, as a user would, and compare its outputs: keyed breakpoints
-    (now every key of this sample has a variant: one stitched launch where the graph stitches), or
-    staged ones whose ``prepare`` runs after the launch (a step-by-step replay prepares first)."""
+    (now every key of this sample has a variant: one stitched launch where the graph stitches)."""
     for dst, src in zip([x for x in pytree.tree_leaves(static) if isinstance(x, torch.Tensor)], saved):
         dst.copy_(src)
-    graph.replay(live, launch_first=True)  # (idle GPU: a late launch, not one to choose the order by)
+    graph.replay(live)
     d = _diff(_tensors(graph.outputs), eager_out, rtol, atol)
     if d is None:
         return None

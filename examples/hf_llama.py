@@ -225,8 +225,8 @@ def run_graph(forward: Any, args: argparse.Namespace, vocab: int, gen: torch.Gen
     eager_ms = median_ms(lambda: eager(forward, ids, pos, live), args.iters, device)
     bcg_ms = median_ms(lambda: graph.replay(live=live), args.iters, device)
     return {
-        "lengths": lengths, "graph_equal": all(equal), "segments": graph.num_segments,
-        "breakpoints": graph.num_breakpoints, "eager_ms": eager_ms, "bcg_ms": bcg_ms, "speedup": eager_ms / bcg_ms,
+        "lengths": lengths, "graph_equal": all(equal), "segments": graph.stats().segments,
+        "breakpoints": graph.stats().breakpoints, "eager_ms": eager_ms, "bcg_ms": bcg_ms, "speedup": eager_ms / bcg_ms,
     }
 
 
@@ -234,7 +234,7 @@ def run_runner(forward: Any, args: argparse.Namespace, vocab: int, gen: torch.Ge
                mode: str) -> dict[str, Any]:
     """(b): ``bcg.GraphRunner`` over token buckets, called with a token count that is not a bucket."""
     T = args.tokens
-    buckets = bcg.geometric_buckets(max(1, T // 8), T)
+    buckets = bcg.runner.geometric_buckets(max(1, T // 8), T)
     example = packed_inputs([T], T, vocab, gen, device)
     runner = bcg.GraphRunner(forward, buckets, example_inputs=example, pad_dim=1, mode=mode, progress=False,
                              capture_live=lambda size: packed_live([size], device))

@@ -57,17 +57,6 @@ def test_slots_flag() -> None:
     assert llama.config(args, torch.device("cpu"))["slots"] == 3
 
 
-def test_prepare_after_launch_flag_reaches_the_staged_breakpoints() -> None:
-    model = llama.setup(cli.parse_args(["--shape", "tiny", "--tokens", "16"]), torch.device("cpu"))
-    for argv, after in (([], True), (["--no-prepare-after-launch"], False), (["--tp", "2"], False),
-                        (["--tp", "2", "--prepare-after-launch"], True)):
-        args = cli.parse_args(["--shape", "tiny", "--tokens", "16", *argv])
-        assert llama.after_launch(args) is after and llama.config(args, torch.device("cpu"))["prepare_after_launch"] is after
-        staged = model.staged_attention(args.slots, llama.after_launch(args))
-        assert all(bp.__bcg_breakpoint__.prepare_after_launch is after for bp in staged.breakpoints.values())
-    assert model.staged_attention(8, True) is not model.staged_attention(8, False)
-
-
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_bad_slots_exit_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
@@ -191,16 +180,13 @@ def test_staged_case_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_runner_measures_inline_fraction_over_the_timed_replays() -> None:
-    stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1},
-             "launched_first": 4, "late_launches": 0}
+    stats = {"graph_calls": 5, "inline_replays": 4, "staged_fallbacks": {"too many requests": 1}}
     start = modes._runner_measures(lambda: {**stats, "staged_fallbacks": dict(stats["staged_fallbacks"])},
                                    staged=True)
     stop = start()
-    stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3},  # the timed replays
-                 launched_first=7, late_launches=1)
+    stats.update(graph_calls=13, inline_replays=10, staged_fallbacks={"too many requests": 3})  # the timed replays
     out = stop()
     assert out["inline_fraction"] == 0.75  # 6 inline of 8
-    assert out["launch_first_fraction"] == 0.5 and out["late_fraction"] == pytest.approx(1 / 3)  # 3 of 6, 1 of 3
     assert out["staged_fallbacks"] == {"too many requests": 2}
     assert "host_us_per_replay" not in out  # host time is sampled by the bench, interleaved (cli._measure_case)
 
@@ -243,9 +229,8 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-12:] == ["host", "us", "host", "+fl", "inline", "1st", "late", "hit", "stitch", "capts",
-                                  "cache", "MiB"]
-    assert line.split()[-9:] == ["1.5", "-", "0.50", "-", "-", "-", "-", "-", "-"]
+    assert head.split()[-10:] == ["host", "us", "host", "+fl", "inline", "hit", "stitch", "capts", "cache", "MiB"]
+    assert line.split()[-7:] == ["1.5", "-", "0.50", "-", "-", "-", "-"]
 
 
 def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_with_the_floors(

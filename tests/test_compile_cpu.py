@@ -51,7 +51,7 @@ def test_breakpoint_in_compiled_code_still_records_structure_in_eager_mode() -> 
     compiled = torch.compile(f, backend="eager")
     x = torch.randn(8)
     graph = bcg.make_graph(compiled, x, mode="eager")
-    assert graph.num_breakpoints == 1 and graph.num_segments == 2
+    assert graph.stats().breakpoints == 1 and graph.stats().segments == 2
     x.copy_(torch.randn(8))
     torch.testing.assert_close(graph.replay(), (x * 2 + 1).exp())
 

@@ -51,8 +51,8 @@ def _replays_match_compiled_eager(compiled, samples: int) -> bcg.BreakableGraph:
     x, pos, live = _inputs(gen)
     with torch.no_grad():
         graph = bcg.make_graph(compiled, x, pos, live=live)
-    assert graph.num_breakpoints == 2 and graph.num_segments == 3
-    assert all(k > 0 for k in graph.stats().kernel_nodes)  # Inductor's kernels are in the segments
+    assert graph.stats().breakpoints == 2 and graph.stats().segments == 3
+    assert all(k > 0 for k in graph.stats().nodes)  # Inductor's kernels are in the segments
     for _ in range(samples):
         fx, fpos, flive = _inputs(gen)
         x.copy_(fx)

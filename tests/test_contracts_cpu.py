@@ -114,7 +114,7 @@ def test_live_read_between_breakpoints_raises_naming_the_line() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return x * bcg.live()  # baked into a graph: must be refused
 
-    with pytest.raises(bcg.LiveReadInSegmentError, match=r"test_contracts_cpu.py:\d+: return x \* bcg.live\(\)"):
+    with pytest.raises(bcg.errors.LiveReadInSegmentError, match=r"test_contracts_cpu.py:\d+: return x \* bcg.live\(\)"):
         _eager(fn, torch.randn(4), live=2.0)
 
 
@@ -133,7 +133,7 @@ def test_live_read_inside_breakpoints_and_with_static_ok_is_allowed() -> None:
 
     x = torch.randn(6)
     graph = _eager(fn, x, live={"scale": 2.0, "width": 4})
-    assert graph.num_breakpoints == 1
+    assert graph.stats().breakpoints == 1
     out = graph.replay(live={"scale": 3.0, "width": 4})
     assert torch.equal(out, (x[:4] * 3.0 + 1) * 2)
     assert bcg.live("unset") == "unset"  # outside any recording: a plain read
@@ -144,7 +144,7 @@ def test_disabled_breakpoint_is_segment_code_for_live_reads() -> None:
     def inline(t: torch.Tensor) -> torch.Tensor:
         return t * bcg.live()
 
-    with pytest.raises(bcg.LiveReadInSegmentError):
+    with pytest.raises(bcg.errors.LiveReadInSegmentError):
         _eager(lambda x: inline(x) + 1, torch.randn(3), live=1.0)
 
 
@@ -159,7 +159,7 @@ def test_eager_replay_rejects_another_output_shape() -> None:
     x = torch.randn(8)
     graph = _eager(lambda a: head(a + 1).sum(), x, live=8)
     graph.replay(live=8)
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="shapes and dtypes are fixed"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="shapes and dtypes are fixed"):
         graph.replay(live=4)
     assert torch.equal(graph.replay(live=8), ((x + 1) * 2).sum())  # still replayable
 
@@ -176,9 +176,9 @@ def test_eager_replay_rejects_another_structure_or_frozen_value() -> None:
 
     graph = _eager(lambda a: pair(a)[0] + 1, torch.randn(4), live="tuple")
     graph.replay(live="tuple")
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="same structure"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="same structure"):
         graph.replay(live="list")
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="frozen at capture"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="frozen at capture"):
         graph.replay(live="value")
 
 
@@ -193,7 +193,7 @@ def test_eager_replay_rejects_a_pass_through_that_stops_passing_through() -> Non
         return y + h
 
     graph = _eager(fn, torch.randn(4), live="off")
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="itself at capture"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="itself at capture"):
         graph.replay(live="on")
     graph.replay(live="off")
 
@@ -219,10 +219,10 @@ def test_eager_replay_rejects_changed_breakpoint_control_flow() -> None:
 
     graph = _eager(fn, torch.randn(4))
     flags["swap"] = True
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="control flow"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="control flow"):
         graph.replay()
     flags.update(swap=False, skip=True)
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="called 1 breakpoint"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="called 1 breakpoint"):
         graph.replay()
     flags["skip"] = False
     graph.replay()
@@ -247,5 +247,5 @@ def test_make_graph_without_cuda_still_falls_back_to_eager_with_the_checks() -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         graph = bcg.make_graph(lambda a: head(a) + 1, torch.randn(5), live=5)
-    with pytest.raises(bcg.BreakpointOutputMismatch):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch):
         graph.replay(live=2)

@@ -9,20 +9,31 @@ import pytest
 import torch
 
 import bcg
+from bcg.capture import capture_into
 from bcg.core import cudart
+from bcg.core.plan import BreakpointStep
+from bcg.core.session import CaptureOptions
 
 from .models import TinyLlama, positions_for, random_lengths
 
 pytestmark = pytest.mark.cuda
-
-OWNERSHIPS = ["graph", "pool"]
-
 
 def _capture(fn, *args, live=None, **kw):  # noqa: ANN001, ANN202
     graph = bcg.BreakableGraph()
     with bcg.capture(graph, live=live, **kw):
         out = fn(*args)
     return graph, out
+
+
+def _capture_with(fn, *args, **options):  # noqa: ANN001, ANN202
+    """A capture with options only make_graph and the runner pass (after_breakpoint, compute_outputs)."""
+    graph = bcg.BreakableGraph()
+    out = capture_into(graph, lambda: fn(*args), CaptureOptions(**options))
+    return graph, out
+
+
+def _breakpoint_steps(graph: bcg.BreakableGraph) -> list[BreakpointStep]:
+    return [s for s in graph.plan if isinstance(s, BreakpointStep)]
 
 
 def _assert_clean(
@@ -59,9 +70,8 @@ def _assert_clean(
 # -- the Llama block: bit-identical to eager over many request-length sets ----------------------
 
 
-@pytest.mark.parametrize("ownership", OWNERSHIPS)
 @pytest.mark.parametrize("returning", [False, True])
-def test_llama_block_replay_is_bit_identical_to_eager(ownership: str, returning: bool) -> None:
+def test_llama_block_replay_is_bit_identical_to_eager(returning: bool) -> None:
     torch.manual_seed(0)
     model = TinyLlama(layers=3, hidden=256, heads=8, kv_heads=2, intermediate=512, returning=returning)
     T = 96
@@ -71,10 +81,10 @@ def test_llama_block_replay_is_bit_identical_to_eager(ownership: str, returning:
     pos = positions_for(lengths, T, "cuda")
     with bcg.live_scope({"lengths": lengths}):
         model(x, pos)  # warm up
-    graph, out = _capture(model, x, pos, live={"lengths": lengths}, ownership=ownership)
+    graph, out = _capture(model, x, pos, live={"lengths": lengths})
     stats = graph.stats()
     assert stats.breakpoints == 3 and stats.segments == 4
-    assert all(k > 0 for k in stats.kernel_nodes)
+    assert all(k > 0 for k in stats.nodes)
     assert stats.pool_bytes > 0
     assert (stats.bridge_bytes > 0) == returning
     for trial in range(50):
@@ -119,7 +129,7 @@ def test_returned_tensor_bridges_are_owned_and_refreshed() -> None:
         return scaled + extra["neg"] * extra["scale"]
 
     graph, out = _capture(fn, x, live=2.0)
-    steps = graph.breakpoints
+    steps = _breakpoint_steps(graph)
     assert len(steps) == 1 and len(steps[0].bridges.tensors()) == 2
     assert graph.stats().bridge_bytes == 2 * 16 * 8 * 4
     for scale in (3.0, -1.5, 0.25):
@@ -136,25 +146,22 @@ def test_replay_raises_when_a_breakpoint_changes_its_output_contract() -> None:
     x = torch.randn(8, device="cuda")
     graph, out = _capture(lambda a: shaped(a + 1) - 1, x, live=8)
     graph.replay(live=8)
-    with pytest.raises(bcg.BreakpointOutputMismatch, match="shapes and dtypes are fixed"):
+    with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="shapes and dtypes are fixed"):
         graph.replay(live=4)
     graph.replay(live=8)  # still replayable
     torch.testing.assert_close(out, (x + 1) * 2 - 1, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ownership", OWNERSHIPS)
-def test_bridges_survive_the_caller_dropping_them(ownership: str) -> None:
-    """The weak-reference bug class: a later capture must not reuse a bridge's memory.
+def test_bridges_survive_the_caller_dropping_them() -> None:
+    """The weak-reference bug class: a later capture must not break a bridge the caller dropped.
 
     The caller drops the bridge right away (``b`` is local to ``fn``). A second graph is then
     captured into the same pool, on the same capture stream (the allocator reuses a pool's
     free blocks per stream), allocating and NaN-filling many tensors of the bridge's size:
-    were the bridge's memory free, the first of them would land on it (as it does with
-    ``ownership="pool"``). With ``ownership="graph"`` the plan holds the bridge: none of them
-    may overlap it, and replaying the second graph must leave it intact. With
-    ``ownership="pool"`` the contract lets later captures reuse it (a replay rewrites it
-    before reading it; graphs sharing a pool replay one at a time): there the first graph's
-    results are what is promised, with the second replayed before each of its replays.
+    the bridge is held through a non-owning alias, so the contract lets later captures reuse
+    its memory (a replay rewrites it before reading it; graphs sharing a pool replay one at a
+    time): the first graph's results are what is promised, with the second replayed before
+    each of its replays.
     """
 
     @bcg.breakpoint
@@ -167,9 +174,8 @@ def test_bridges_survive_the_caller_dropping_them(ownership: str) -> None:
         b = produce(a)
         return (b * 2).sum(0, keepdim=True)
 
-    graph, out = _capture(fn, x, ownership=ownership)
-    (bridge,) = graph.breakpoints[0].bridges.tensors()
-    lo, hi = bridge.data_ptr(), bridge.data_ptr() + bridge.untyped_storage().nbytes()
+    graph, out = _capture(fn, x)
+    (bridge,) = _breakpoint_steps(graph)[0].bridges.tensors()
 
     def scribble() -> list[torch.Tensor]:
         return [torch.full((1024,), float("nan"), device="cuda") for _ in range(64)]
@@ -179,17 +185,12 @@ def test_bridges_survive_the_caller_dropping_them(ownership: str) -> None:
     with bcg.capture(other, pool=graph.pool()):
         junk = scribble()  # NaN-filled at capture (each segment runs once right away)
     assert other.pool() == graph.pool()
-    if ownership == "graph":
-        overlapping = [j for j in junk if j.data_ptr() < hi and lo < j.data_ptr() + j.untyped_storage().nbytes()]
-        assert not overlapping, "a later capture into the pool was handed the bridge's memory"
     for _ in range(4):
-        other.replay()  # NaN into its tensors: they may share graph's temporaries (and, with "pool", its bridge)
+        other.replay()  # NaN into its tensors: they may share graph's temporaries and its bridge
         x.copy_(torch.randn(1024, device="cuda"))
         graph.replay()
         torch.testing.assert_close(out, (x.cos() * 2).sum(0, keepdim=True), rtol=0, atol=0)
-        if ownership == "graph":
-            other.replay()
-            assert torch.equal(bridge, x.cos()), "another graph's replay wrote into the bridge"
+        assert torch.equal(bridge, x.cos())
     del junk
     other.reset()
 
@@ -197,8 +198,7 @@ def test_bridges_survive_the_caller_dropping_them(ownership: str) -> None:
 # -- shared pools: graphs captured one after the other, replayed in random order ------------------
 
 
-@pytest.mark.parametrize("ownership", OWNERSHIPS)
-def test_graphs_sharing_a_pool_replay_in_random_order(ownership: str) -> None:
+def test_graphs_sharing_a_pool_replay_in_random_order() -> None:
     pool = bcg.graph_pool_handle()
 
     @bcg.breakpoint
@@ -217,7 +217,7 @@ def test_graphs_sharing_a_pool_replay_in_random_order(ownership: str) -> None:
             return g.cumsum(0)
 
         graph = bcg.BreakableGraph()
-        with bcg.capture(graph, pool=pool, live=1.0, ownership=ownership):
+        with bcg.capture(graph, pool=pool, live=1.0):
             out = fn(x)
 
         def reference(s: float) -> torch.Tensor:
@@ -253,7 +253,7 @@ def test_rng_in_segments_gives_fresh_numbers_each_replay() -> None:
         return d1, torch.rand_like(a)
 
     graph, (d, r) = _capture(fn, x)
-    assert any(s.uses_rng for s in graph.segments)
+    assert any(s.uses_rng for s in graph.forms[0].segments)
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     seen_d, seen_r = [], []
     for _ in range(4):
@@ -348,7 +348,7 @@ def test_capture_stub_and_disabled_breakpoints() -> None:
 
     x = torch.randn(8, device="cuda")
     graph, out = _capture(lambda a: inline(stubbed(a)) - 1, x, live=None)
-    assert graph.num_breakpoints == 1
+    assert graph.stats().breakpoints == 1
     graph.replay(live=2.0)
     torch.testing.assert_close(out, (x + 2.0) * 3 - 1, rtol=0, atol=0)
 
@@ -374,7 +374,7 @@ def test_after_breakpoint_hook_is_captured_into_the_next_segment() -> None:
         partial_write(a * 2, out)
         return out + 1
 
-    graph, y = _capture(fn, x, live=64, after_breakpoint=sanitize)
+    graph, y = _capture_with(fn, x, live=64, after_breakpoint=sanitize)
     assert len(crossed) == 1 and len(crossed[0]) == 1  # only the declared `out`
     for n in (64, 10, 1):
         mask.copy_((torch.arange(64, device="cuda") < n)[:, None])
@@ -396,11 +396,11 @@ def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executor
 
     def fn(a: torch.Tensor) -> torch.Tensor:
         h = a * 2
-        with bcg.switchable("extra"):
+        with bcg.core.session.switchable("extra"):
             extra.add_(1)  # a kernel
             extra[:8].zero_()  # a memset or a kernel: both can be disabled
         bump(h)
-        with bcg.switchable("extra"):
+        with bcg.core.session.switchable("extra"):
             h.mul_(3)
         return h + 1
 
@@ -444,7 +444,7 @@ def test_compute_outputs_runs_or_only_uploads_the_last_segment(compute_outputs: 
         peek(h)
         out.copy_(h + 1)
 
-    graph, _ = _capture(fn, x, compute_outputs=compute_outputs)
+    graph, _ = _capture_with(fn, x, compute_outputs=compute_outputs)
     torch.cuda.synchronize()
     assert seen == [pytest.approx((x * 2).sum().item(), rel=1e-5)]
     assert torch.isnan(out).all() != compute_outputs  # the last segment ran, or not
@@ -470,18 +470,18 @@ def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = x * 2
-        with bcg.switchable("extra"):
+        with bcg.core.session.switchable("extra"):
             h.add_(1)
             extra.add_(1)
         h = h.sin() * 3  # reads h right after the group
         bump(h)
         noise = torch.rand(8, device="cuda")  # this segment uses RNG
-        with bcg.switchable("extra"):
+        with bcg.core.session.switchable("extra"):
             h.add_(1)
         return h.cos(), noise
 
     graph, (y, noise) = _capture(fn, a, live=0.0)
-    plain, rng = graph.segments
+    plain, rng = graph.forms[0].segments
     assert not plain.uses_rng and rng.uses_rng
     for executor in ("python", "native") if bcg.core.native.available() else ("python",):
         graph.use_executor(executor)
@@ -489,9 +489,9 @@ def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
             assert graph.set_enabled("extra", enabled)
             assert (plain.exec_handle != int(plain.cuda_graph.raw_cuda_graph_exec())) == (not enabled)
             assert rng.exec_handle == int(rng.cuda_graph.raw_cuda_graph_exec())
-            stats = graph.stats()
-            assert stats.disabled == (() if enabled else ("extra",))
-            assert stats.trimmed_executables == 1  # built once, kept (the RNG segment builds none)
+            form = graph.forms[0]
+            assert form.disabled == (frozenset() if enabled else frozenset({"extra"}))
+            assert sum(len(s.trimmed) for s in form.segments) == 1  # built once, kept (the RNG segment builds none)
             a.copy_(torch.randn(n, device="cuda"))
             live = float(random.randint(1, 9))
             before = extra.clone()
@@ -527,11 +527,11 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
         t.add_(bcg.live())
 
     def body() -> None:
-        with bcg.switchable("a"):
+        with bcg.core.session.switchable("a"):
             a.add_(1)
-            with bcg.switchable("a"):
+            with bcg.core.session.switchable("a"):
                 a.add_(10)
-            with bcg.switchable("b"):
+            with bcg.core.session.switchable("b"):
                 b.add_(1)  # in both groups
 
     def fn(t: torch.Tensor) -> torch.Tensor:
@@ -543,7 +543,7 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
         return h + 1
 
     graph, y = _capture(fn, x, live=0.0)
-    assert [s.uses_rng for s in graph.segments] == [False, True]
+    assert [s.uses_rng for s in graph.forms[0].segments] == [False, True]
     with caplog.at_level("WARNING", logger="bcg"):
         for on_a, on_b in [(False, True), (True, False), (False, False), (True, True), (False, True)]:
             assert graph.set_enabled("a", on_a) and graph.set_enabled("b", on_b)
@@ -552,7 +552,7 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
             torch.testing.assert_close(y, x * 2 + 1.0 + 1, rtol=0, atol=0)  # h = x * 2, bumped by 1, + 1
             torch.testing.assert_close(a - da, torch.full_like(a, 22.0 if on_a else 0.0), rtol=0, atol=0)
             torch.testing.assert_close(b - db, torch.full_like(b, 2.0 if on_a and on_b else 0.0), rtol=0, atol=0)
-    plain = graph.segments[0]
+    plain = graph.forms[0].segments[0]
     assert (plain.in_place is not None) == refused
     assert ("no executable without" in caplog.text) == refused
     graph.reset()
@@ -568,7 +568,7 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
 
     def spanning(a: torch.Tensor) -> torch.Tensor:
         h = a + 0
-        with bcg.switchable("s"):
+        with bcg.core.session.switchable("s"):
             counter.add_(1)
             bp(h)  # the segment ends inside the block
         return h * 2
@@ -577,7 +577,7 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
 
     def with_event(a: torch.Tensor) -> torch.Tensor:
         h = a + 0
-        with bcg.switchable("s"):
+        with bcg.core.session.switchable("s"):
             counter.add_(1)
             event.record()  # an event-record node
         return h * 2
@@ -608,9 +608,9 @@ def test_stats_count_kernel_nodes_per_segment() -> None:
     graph, _ = _capture(fn, x)
     stats = graph.stats()
     assert stats.segments == 2 and stats.breakpoints == 1
-    assert stats.kernel_nodes == (2, 1)
+    assert stats.nodes == (2, 1)
     assert stats.capture_s > 0 and stats.pool_bytes > 0
-    assert graph.segments[0].graph_handle != 0 and graph.segments[0].exec_handle != 0
+    assert graph.forms[0].segments[0].graph_handle != 0 and graph.forms[0].segments[0].exec_handle != 0
 
 
 # -- errors, each followed by a working capture ------------------------------------------------
@@ -621,7 +621,7 @@ def test_item_inside_a_segment_raises_host_sync_error_naming_the_line() -> None:
     stream = torch.cuda.Stream()
     pool = bcg.graph_pool_handle()
     x = torch.randn(4, device="cuda")
-    with pytest.raises(bcg.HostSyncInCaptureError, match=r"test_core_cuda.py:\d+: .*\.item\(\)"):
+    with pytest.raises(bcg.errors.HostSyncInCaptureError, match=r"test_core_cuda.py:\d+: .*\.item\(\)"):
         with bcg.capture(graph, stream=stream, pool=pool):
             y = x * 2
             y.sum().item()
@@ -635,7 +635,7 @@ def test_pageable_host_copy_inside_a_segment_raises_host_sync_error() -> None:
     x = torch.randn(4, device="cuda")
     host = torch.randn(4)  # pageable
     pool = bcg.graph_pool_handle()
-    with pytest.raises(bcg.HostSyncInCaptureError, match="segment"):
+    with pytest.raises(bcg.errors.HostSyncInCaptureError, match="segment"):
         with bcg.capture(graph, stream=stream, pool=pool):
             x.copy_(host)
     _assert_clean(stream, pool, capture=False)
@@ -645,7 +645,7 @@ def test_capture_after_a_refused_pageable_host_copy_works() -> None:
     stream = torch.cuda.Stream()
     pool = bcg.graph_pool_handle()
     x = torch.randn(4, device="cuda")
-    with pytest.raises(bcg.HostSyncInCaptureError):
+    with pytest.raises(bcg.errors.HostSyncInCaptureError):
         with bcg.capture(bcg.BreakableGraph(), stream=stream, pool=pool):
             x.copy_(torch.randn(4))
     _assert_clean(stream, pool)
@@ -714,7 +714,7 @@ def test_the_cycle_collector_cannot_destroy_a_graph_inside_a_capture() -> None:
     x.copy_(torch.randn(256, device="cuda"))
     torch.testing.assert_close(graph.replay(), (x + 1) * 2 - 1, rtol=0, atol=0)
     graph.reset()
-    with pytest.raises(bcg.HostSyncInCaptureError):
+    with pytest.raises(bcg.errors.HostSyncInCaptureError):
         with bcg.capture(bcg.BreakableGraph()):
             float(x.sum())
     assert gc.isenabled()  # resumed after a failed capture too
@@ -730,7 +730,7 @@ def test_host_sync_in_a_later_segment_releases_earlier_segments() -> None:
     x = torch.randn(1 << 16, device="cuda")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    with pytest.raises(bcg.HostSyncInCaptureError, match="segment 1"):
+    with pytest.raises(bcg.errors.HostSyncInCaptureError, match="segment 1"):
         with bcg.capture(graph):
             h = x * 2
             bp(h)
@@ -744,7 +744,7 @@ def test_host_sync_in_a_later_segment_releases_earlier_segments() -> None:
 def test_nested_capture_is_refused() -> None:
     outer = bcg.BreakableGraph()
     x = torch.randn(4, device="cuda")
-    with pytest.raises(bcg.NestedCaptureError, match="cannot nest"):
+    with pytest.raises(bcg.errors.NestedCaptureError, match="cannot nest"):
         with bcg.capture(outer):
             y = x + 1
             with bcg.capture(bcg.BreakableGraph()):
@@ -753,7 +753,7 @@ def test_nested_capture_is_refused() -> None:
     _assert_clean()
     tg = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
-    with pytest.raises(bcg.NestedCaptureError):
+    with pytest.raises(bcg.errors.NestedCaptureError):
         with torch.cuda.graph(tg, stream=s):
             z = x + 1
             bcg.capture(bcg.BreakableGraph()).__enter__()
@@ -854,10 +854,9 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
         g = grow(h)
         return (g + 1).sum()
 
-    graph, out = _capture(fn, x, ownership="graph")  # the graph holds its arguments and bridge
+    graph, out = _capture(fn, x)
     pool = graph.stats().pool_bytes
-    assert pool >= 3 * x.nbytes
-    assert torch.cuda.memory_allocated() >= allocated0 + 3 * x.nbytes
+    assert pool >= 2 * x.nbytes  # the bridge of grow's result, and segment temporaries
     reserved_captured = torch.cuda.memory_reserved()
     del out
     graph.reset()
@@ -865,8 +864,7 @@ def test_reset_frees_segments_bridges_and_pool() -> None:
     assert torch.cuda.memory_reserved() <= reserved_captured - pool  # the pool went back to the driver
 
 
-@pytest.mark.parametrize("ownership", OWNERSHIPS)
-def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
+def test_ten_thousand_replays_do_not_grow_memory() -> None:
     """GEMMs in the segments before and after the breakpoint (and one in the breakpoint, eager):
     a cuBLAS workspace allocated per replay (or per stream) would show as growth."""
     w_in = torch.randn(64, 64, device="cuda") / 8
@@ -888,9 +886,9 @@ def test_ten_thousand_replays_do_not_grow_memory(ownership: str) -> None:
 
     with bcg.live_scope(128):
         fn(x)  # warm up (cuBLAS handles are created eagerly, not inside a segment)
-    graph, out = _capture(fn, x, live=128, ownership=ownership)
-    assert graph.num_segments == 2 and graph.num_breakpoints == 1
-    assert all(k > 0 for k in graph.stats().kernel_nodes)
+    graph, out = _capture(fn, x, live=128)
+    assert graph.stats().segments == 2 and graph.stats().breakpoints == 1
+    assert all(k > 0 for k in graph.stats().nodes)
     for i in range(256):  # every n once or more: each size's temporaries have been cached
         graph.replay(live=1 + i % 128)
     torch.cuda.synchronize()
@@ -923,18 +921,16 @@ def test_pool_ownership_lets_later_segments_reuse_breakpoint_memory() -> None:
             h = out + 1
         return h
 
-    pools = {}
-    for ownership in OWNERSHIPS:
-        graph, out = _capture(fn, x, ownership=ownership)
-        graph.replay()
-        ref = x
-        for _ in range(8):
-            ref = ref * 1.5 + 1
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
-        pools[ownership] = graph.stats().pool_bytes
-        del out
-        graph.reset()
-    assert pools["pool"] < pools["graph"]
+    graph, out = _capture(fn, x)
+    graph.replay()
+    ref = x
+    for _ in range(8):
+        ref = ref * 1.5 + 1
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # eight breakpoints, each with its argument and result: reused, not one pair of 4 MiB blocks each
+    assert graph.stats().pool_bytes < 8 * 2 * x.nbytes
+    del out
+    graph.reset()
 
 
 def test_make_graph_captures_and_knows_its_outputs() -> None:
@@ -946,8 +942,8 @@ def test_make_graph_captures_and_knows_its_outputs() -> None:
     graph = bcg.make_graph(model, x, pos, live={"lengths": lengths})
     eager_graph = bcg.make_graph(model, x, pos, mode="eager", live={"lengths": lengths})
     assert graph.mode == "graph" and eager_graph.mode == "eager"
-    assert graph.num_segments == eager_graph.num_segments
-    assert graph.num_breakpoints == eager_graph.num_breakpoints
+    assert graph.stats().segments == eager_graph.stats().segments
+    assert graph.stats().breakpoints == eager_graph.stats().breakpoints
     for lengths in ([48], [1, 47], [16, 16, 16]):
         x.copy_(torch.randn_like(x))
         pos.copy_(positions_for(lengths, T, "cuda"))
@@ -963,7 +959,7 @@ def test_a_swallowed_host_sync_error_still_fails_the_capture_cleanly() -> None:
     stream = torch.cuda.Stream()
     pool = bcg.graph_pool_handle()
     x = torch.randn(4, device="cuda")
-    with pytest.raises(bcg.CaptureInvalidatedError, match="invalidated earlier(.|\n)*another thread"):
+    with pytest.raises(bcg.errors.CaptureInvalidatedError, match="invalidated earlier(.|\n)*another thread"):
         with bcg.capture(graph, stream=stream, pool=pool):
             y = x * 2
             try:

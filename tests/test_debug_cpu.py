@@ -41,7 +41,7 @@ def test_verify_names_a_breakpoint_whose_output_changes_from_the_same_inputs() -
         return drifting(x * 2) - 1
 
     gen = torch.Generator().manual_seed(1)
-    with pytest.raises(bcg.VerificationError) as info:
+    with pytest.raises(bcg.errors.VerificationError) as info:
         bcg.verify(fn, lambda: (torch.randn(8, generator=gen),), [None, None], mode="eager")
     first = info.value.report.first
     assert first is not None and first.where == "breakpoint"

@@ -31,7 +31,7 @@ def test_verify_passes_on_a_correct_model_over_twenty_samples() -> None:
     gen = torch.Generator().manual_seed(0)
     report = bcg.verify(model, _make_inputs(gen), _samples(20, gen))
     assert report.ok and report.samples == 20
-    assert report.graph.num_breakpoints == 3
+    assert report.graph.stats().breakpoints == 3
 
 
 def test_verify_points_at_the_segment_holding_a_forgotten_breakpoint() -> None:
@@ -40,11 +40,11 @@ def test_verify_points_at_the_segment_holding_a_forgotten_breakpoint() -> None:
     model = TinyLlama(layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256, forget_layer=1)
     gen = torch.Generator().manual_seed(1)
     samples = [{"lengths": [T]}] + _samples(5, gen)
-    with pytest.raises(bcg.VerificationError) as info:
+    with pytest.raises(bcg.errors.VerificationError) as info:
         bcg.verify(model, _make_inputs(gen), samples)
     report = info.value.report
     graph = report.graph
-    assert graph.num_breakpoints == 2 and graph.num_segments == 3
+    assert graph.stats().breakpoints == 2 and graph.stats().segments == 3
     first = report.first
     assert first is not None and first.sample == 1  # sample 0 repeats the capture-time lengths
     assert first.where == "segment" and first.segment == 1
@@ -63,13 +63,13 @@ def test_guards_catch_a_reallocated_input() -> None:
         scale(h)
         return h
 
-    graph = bcg.make_graph(fn, x, guards=True)
+    graph = bcg.make_graph(fn, x, debug=bcg.Debug(guards=True))
     graph.replay()
     x.data = torch.randn(32, device="cuda")  # a new allocation behind the same Python tensor
-    with pytest.raises(bcg.GuardError, match="static input 0.*address moved"):
+    with pytest.raises(bcg.errors.GuardError, match="static input 0.*address moved"):
         graph.replay()
     unguarded = bcg.make_graph(fn, torch.randn(32, device="cuda"))
-    assert unguarded._parts.guards is None
+    assert unguarded.forms[0].recording.guards is None
 
 
 def test_guards_from_the_environment_cover_breakpoint_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +88,7 @@ def test_guards_from_the_environment_cover_breakpoint_arguments(monkeypatch: pyt
         out = h - 1
     graph.replay()
     kv.set_(torch.randn(32, device="cuda"))
-    with pytest.raises(bcg.GuardError, match="argument 1 of breakpoint"):
+    with pytest.raises(bcg.errors.GuardError, match="argument 1 of breakpoint"):
         graph.replay()
     del out
 
@@ -106,14 +106,13 @@ def test_poison_turns_a_stale_read_into_nan() -> None:
         partial(a * 3, out)
         return out * 2
 
-    for ownership in ("graph", "pool"):
-        graph = bcg.make_graph(fn, x, live=64, poison=True, ownership=ownership)
-        y = graph.replay(live=10)
-        assert torch.isnan(y[10:]).all(), ownership
-        torch.testing.assert_close(y[:10], x[:10] * 3 * 2, rtol=0, atol=0)
-        clean = bcg.make_graph(fn, x, live=64, ownership=ownership)
-        y2 = clean.replay(live=10)
-        assert not torch.isnan(y2[10:]).any()  # stale but finite: the bug would go unseen
+    graph = bcg.make_graph(fn, x, live=64, debug=bcg.Debug(poison=True))
+    y = graph.replay(live=10)
+    assert torch.isnan(y[10:]).all()
+    torch.testing.assert_close(y[:10], x[:10] * 3 * 2, rtol=0, atol=0)
+    clean = bcg.make_graph(fn, x, live=64, debug=bcg.Debug())
+    y2 = clean.replay(live=10)
+    assert not torch.isnan(y2[10:]).any()  # stale but finite: the bug would go unseen
 
 
 def test_profiler_shows_named_ranges_for_segments_and_breakpoints() -> None:
@@ -147,7 +146,7 @@ def test_dump_dot_writes_one_nonempty_file_per_segment(tmp_path) -> None:  # noq
     x = torch.randn(64, device="cuda")
     graph = bcg.make_graph(lambda a: (mid(a * 2), a.sin())[1], x)
     paths = graph.dump_dot(tmp_path / "dots")
-    assert len(paths) == graph.num_segments == 2
+    assert len(paths) == graph.stats().segments == 2
     for p in paths:
         text = open(p).read()
         assert text.startswith("digraph") and len(text) > 50

@@ -1,4 +1,5 @@
-"""The package's layout rules (DESIGN.md): no import loops, no module reaching into another's privates."""
+"""The package's layout rules (DESIGN.md): no import loops (``TYPE_CHECKING`` imports counted), no
+module reaching into another's privates, and private torch names in ``bcg.core.torch_internals`` only."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def _top_level_imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
-    """Imports that run when the module is imported (not inside functions or ``if TYPE_CHECKING``)."""
+    """Imports at module level, those under ``if TYPE_CHECKING`` included (not inside functions)."""
     found: list[ast.ImportFrom | ast.Import] = []
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 found.append(node)
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            elif isinstance(node, ast.If):
                 visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
@@ -55,8 +56,8 @@ def _graph() -> dict[str, set[str]]:
 
 def test_the_layout_check_sees_the_package() -> None:
     graph = _graph()
-    assert {"bcg", "bcg.capture", "bcg.graph", "bcg.runner.graph_runner", "bcg.bench.cli"} <= set(graph)
-    assert "bcg.core.breakpoint" in graph["bcg.capture"]
+    assert {"bcg", "bcg.capture", "bcg.graph", "bcg.core.session", "bcg.runner.graph_runner", "bcg.bench.cli"} <= set(graph)
+    assert "bcg.core.breakpoint" in graph["bcg.core.session"]
 
 
 def _find_loop(graph: dict[str, set[str]]) -> list[str] | None:
@@ -147,4 +148,46 @@ def test_no_module_imports_another_modules_private_names() -> None:
 
 def test_no_module_uses_another_modules_private_attributes() -> None:
     offences = [o for name, path in MODULES.items() for o in _private_attributes(name, path.read_text())]
+    assert not offences, offences
+
+
+_TORCH_INTERNALS = "bcg.core.torch_internals"
+
+
+def _private_torch(name: str, source: str) -> list[str]:
+    """Private torch names used in module ``name`` (one entry per line): ``torch._x`` attributes
+    (any depth; ATen operator names under ``torch.ops`` are public) and imports from a private torch
+    module or of a private name."""
+    offences: dict[int, str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            chain, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            chain.reverse()
+            if isinstance(cur, ast.Name) and cur.id == "torch" and chain[0] != "ops" and any(
+                    part.startswith("_") and not part.startswith("__") for part in chain):
+                offences.setdefault(node.lineno, f"{name}:{node.lineno}: torch.{'.'.join(chain)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]
+            if any(p.startswith("_") and not p.startswith("__") for p in parts):
+                offences.setdefault(node.lineno, f"{name}:{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch" and any(
+                        p.startswith("_") for p in alias.name.split(".")):
+                    offences.setdefault(node.lineno, f"{name}:{node.lineno}: import {alias.name}")
+    return [offences[line] for line in sorted(offences)]
+
+
+def test_the_private_torch_check_catches_what_it_looks_for() -> None:
+    source = ("import torch\ntorch._C._x()\nfrom torch.utils._pytree import tree_map\nimport torch._dynamo\n"
+              "torch.cuda.graph\ntorch.ops.aten._to_copy.default\n")
+    assert [o.split(":")[1] for o in _private_torch("m", source)] == ["2", "3", "4"]
+
+
+def test_private_torch_names_live_in_one_module() -> None:
+    offences = [o for name, path in MODULES.items() if name != _TORCH_INTERNALS
+                for o in _private_torch(name, path.read_text())]
     assert not offences, offences

@@ -5,7 +5,7 @@
    ``empty_cache`` leave every bcg graph right, whichever was captured first.
 2. Graphs, runners and keyed variants dropped on one thread never break another thread's
    capture, in either capture mode.
-3. A replaced tensor is never read silently: a replay raises :class:`bcg.StaleTensorError`.
+3. A replaced tensor is never read silently: a replay raises :class:`bcg.errors.StaleTensorError`.
 
 Each test can fail on a bcg that gets these wrong: the first kind with an illegal address
 (which poisons the CUDA context: run such a bcg one test per process).
@@ -340,7 +340,7 @@ def _weight_graph(guards: bool) -> tuple[bcg.BreakableGraph, dict[str, torch.Ten
         return h @ weights["w"]
 
     x = torch.randn(256, N, device="cuda")
-    return bcg.make_graph(fwd, x, guards=guards), weights, x
+    return bcg.make_graph(fwd, x, debug=bcg.Debug(guards=guards)), weights, x
 
 
 def _block_state(ptr: int) -> str | None:

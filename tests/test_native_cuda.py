@@ -83,8 +83,8 @@ def test_native_and_python_executors_are_bit_identical_on_a_small_model() -> Non
     with torch.no_grad():
         graph = bcg.make_graph(model, x, live=1.0)
     assert graph.executor == "native"  # the default when the extension is built
-    assert graph.num_segments == 4 and graph.num_breakpoints == 2
-    assert graph._executor.launches == 4  # no RNG: every segment launches from C
+    assert graph.stats().segments == 4 and graph.stats().breakpoints == 2
+    assert graph.forms[0].executor.launches == 4  # no RNG: every segment launches from C
     gen = torch.Generator(device="cpu").manual_seed(1)
     for i in range(6):
         x.copy_(torch.randn(16, 64, generator=gen))
@@ -134,9 +134,9 @@ def _rng_fn(a: torch.Tensor) -> torch.Tensor:
 def test_rng_segment_gives_fresh_numbers_and_advances_the_generator_like_python() -> None:
     x = torch.ones(1 << 14, device="cuda")
     graph, out = _capture(_rng_fn, x)
-    assert [s.uses_rng for s in graph.segments] == [False, True, False]
+    assert [s.uses_rng for s in graph.forms[0].segments] == [False, True, False]
     assert graph.executor == "native"
-    assert graph._executor.launches == 2
+    assert graph.forms[0].executor.launches == 2
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
 
     seen = []
@@ -320,10 +320,10 @@ def test_native_per_segment_overhead() -> None:
         return a
 
     graph, _ = _capture(fn, x)
-    assert graph.num_segments == segments and graph.num_breakpoints == 0
+    assert graph.stats().segments == segments and graph.stats().breakpoints == 0
     graph.use_executor("native")
-    assert graph.executor == "native" and graph._executor.launches == segments
-    launches = [s.cuda_graph.replay for s in graph.segments]  # torch's replay of the same graphs
+    assert graph.executor == "native" and graph.forms[0].executor.launches == segments
+    launches = [s.cuda_graph.replay for s in graph.forms[0].segments]  # torch's replay of the same graphs
 
     def torch_loop() -> None:
         for launch in launches:

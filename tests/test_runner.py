@@ -34,45 +34,45 @@ def _runner(forward, buckets, example, **kw):  # noqa: ANN001, ANN202
 
 
 def test_default_ladder_has_16_buckets_up_to_4096() -> None:
-    ladder = bcg.default_buckets()
+    ladder = bcg.runner.default_buckets()
     assert ladder == [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
     assert len(ladder) == 16
     assert all(b / a <= 2 for a, b in zip(ladder, ladder[1:]))
     assert all(b / a <= 1.5 for a, b in zip(ladder[1:], ladder[2:]))
-    decode = bcg.default_buckets(256, min_tokens=1)
+    decode = bcg.runner.default_buckets(256, min_tokens=1)
     assert decode[:8] == [1, 2, 3, 4, 6, 8, 12, 16] and decode[-1] == 256
-    assert bcg.default_buckets(100) == [16, 32, 48, 64, 96, 100]
+    assert bcg.runner.default_buckets(100) == [16, 32, 48, 64, 96, 100]
 
 
 def test_geometric_buckets() -> None:
-    assert bcg.geometric_buckets(16, 4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    assert bcg.geometric_buckets(16, 100) == [16, 32, 64, 100]
-    ladder = bcg.geometric_buckets(16, 4096, ratio=math.sqrt(2), multiple_of=16)
+    assert bcg.runner.geometric_buckets(16, 4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert bcg.runner.geometric_buckets(16, 100) == [16, 32, 64, 100]
+    ladder = bcg.runner.geometric_buckets(16, 4096, ratio=math.sqrt(2), multiple_of=16)
     assert ladder[0] == 16 and ladder[-1] == 4096
     assert all(b % 16 == 0 for b in ladder)
     assert ladder == sorted(set(ladder))
-    assert bcg.geometric_buckets(8, 8) == [8]
+    assert bcg.runner.geometric_buckets(8, 8) == [8]
     for bad in ((0, 8), (8, 4)):
         with pytest.raises(ValueError):
-            bcg.geometric_buckets(*bad)
+            bcg.runner.geometric_buckets(*bad)
     with pytest.raises(ValueError, match="ratio"):
-        bcg.geometric_buckets(1, 8, ratio=1.0)
+        bcg.runner.geometric_buckets(1, 8, ratio=1.0)
 
 
 def test_stepped_buckets() -> None:
-    assert bcg.stepped_buckets(64, steps=((None, 16),)) == [1, 2, 4, 16, 32, 48, 64]
-    ladder = bcg.stepped_buckets(1024)
+    assert bcg.runner.stepped_buckets(64, steps=((None, 16),)) == [1, 2, 4, 16, 32, 48, 64]
+    ladder = bcg.runner.stepped_buckets(1024)
     assert ladder[:6] == [1, 2, 4, 8, 16, 24]
     assert 256 in ladder and 272 in ladder and 264 not in ladder
     assert 544 in ladder and 528 not in ladder
     assert ladder[-1] == 1024 and ladder == sorted(set(ladder))
-    assert bcg.stepped_buckets(100, steps=((None, 32),), head=())[-1] == 100  # max always included
-    assert bcg.stepped_buckets(3) == [1, 2, 3]
+    assert bcg.runner.stepped_buckets(100, steps=((None, 32),), head=())[-1] == 100  # max always included
+    assert bcg.runner.stepped_buckets(3) == [1, 2, 3]
 
 
 def test_pick_bucket_and_padding_ratio() -> None:
     ladder = [16, 32, 64]
-    assert [bcg.pick_bucket(ladder, t) for t in (0, 1, 15, 16, 17, 32, 33, 64, 65)] == [
+    assert [bcg.runner.pick_bucket(ladder, t) for t in (0, 1, 15, 16, 17, 32, 33, 64, 65)] == [
         16, 16, 16, 16, 32, 32, 64, 64, None,
     ]
     assert padding_ratio(64, 16) == 0.75

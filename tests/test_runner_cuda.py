@@ -89,7 +89,7 @@ def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: b
     assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
     assert all(stats["replays"][b] >= 3 for b in buckets)
     assert stats["graph_calls"] == checked
-    assert runner.graph(16).num_breakpoints == 2
+    assert runner.graph(16).stats().breakpoints == 2
 
 
 @pytest.mark.parametrize("sanitize", [True, False])
@@ -151,7 +151,7 @@ def test_decode_style_batches_padded_along_dim_1() -> None:
     def forward(ids: torch.Tensor) -> torch.Tensor:
         return lin(rows(lin(emb(ids))))
 
-    buckets = bcg.default_buckets(64, min_tokens=1)
+    buckets = bcg.runner.default_buckets(64, min_tokens=1)
     example = (torch.randint(0, 1000, (2, 4), device="cuda"),)
     kw = dict(example_inputs=example, pad_dim=1, capture_live=lambda n: n, progress=False)
     runner = bcg.GraphRunner(forward, buckets, **kw).capture()
@@ -337,7 +337,7 @@ def test_captures_run_the_last_segment_only_when_the_forward_draws_random_number
     """The runner's captures upload the forward's last segment without running it, unless its
     warm-up drew random numbers: then the segment runs at capture, is known to use RNG, and
     each call draws fresh numbers, as eager calls do."""
-    from bcg.capture import CaptureSession
+    from bcg.core.session import CaptureSession
 
     runs: list[int] = []
     capture_run = CaptureSession._capture_run
@@ -359,8 +359,8 @@ def test_captures_run_the_last_segment_only_when_the_forward_draws_random_number
     x = torch.randn(64, 32, device="cuda")
     runner = bcg.GraphRunner(forward, [64], example_inputs=(x,), capture_live=3.0, progress=False).capture()
     graph = runner.graph(64)
-    assert graph.num_segments == 2 and runs == ([0, 1] if draws else [0])  # the last one ran, or not
-    assert graph.segments[-1].uses_rng == draws
+    assert graph.stats().segments == 2 and runs == ([0, 1] if draws else [0])  # the last one ran, or not
+    assert graph.forms[0].segments[-1].uses_rng == draws
     first = runner(x, live=3.0).clone()
     second = runner(x, live=3.0).clone()
     if draws:
@@ -460,7 +460,7 @@ def test_two_runners_sharing_one_pool_used_alternately() -> None:
 def test_pool_of_all_buckets_is_close_to_the_largest_bucket_alone() -> None:
     hidden = 1024
     model = _model(hidden=hidden, intermediate=2048)
-    buckets = bcg.default_buckets(2048)
+    buckets = bcg.runner.default_buckets(2048)
     runner = _runner(model, buckets, hidden=hidden)
     alone = runner.measure_largest_alone()
     stats = runner.stats()
@@ -475,7 +475,7 @@ def test_pool_of_all_buckets_is_close_to_the_largest_bucket_alone() -> None:
 
 
 def test_capture_of_16_buckets_records_seconds_and_reset_frees_everything() -> None:
-    from bcg.capture import capture_stream
+    from bcg.core.process import capture_stream
 
     model = _model()
     gen = torch.Generator().manual_seed(7)
@@ -492,9 +492,9 @@ def test_capture_of_16_buckets_records_seconds_and_reset_frees_everything() -> N
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # a baseline without cached free blocks, which empty_cache() drops below
     reserved0 = torch.cuda.memory_reserved()
-    runner = _runner(model, bcg.default_buckets(4096))
+    runner = _runner(model, bcg.runner.default_buckets(4096))
     stats = runner.stats()
-    assert len(stats["capture_s"]) == 16 and runner.captured_buckets == bcg.default_buckets(4096)
+    assert len(stats["capture_s"]) == 16 and runner.captured_buckets == bcg.runner.default_buckets(4096)
     assert all(s > 0 for s in stats["capture_s"].values()) and stats["capture_total_s"] > 0
     print(
         f"16 buckets captured in {stats['capture_total_s']:.2f} s (per bucket: "

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import bcg
-from bcg.staged import staging
 
 SLOTS = 3
 
@@ -67,7 +66,7 @@ def test_eager_mode_stages_once_per_run_when_it_fits_and_uses_the_real_metadata_
     x = torch.randn(12, 5)
     graph = bcg.make_graph(fn, x, mode="eager", live=(4, 8))
     assert staging.prepared == [(4, 8)] and seen == [True, True]
-    assert graph.num_breakpoints == 0  # inline: part of the segment
+    assert graph.stats().breakpoints == 0  # inline: part of the segment
     for lengths in [(3, 3, 6), (12,), (2, 2, 2, 6), (1, 1, 1, 1, 8)]:
         x.copy_(torch.randn(12, 5))
         seen.clear()
@@ -105,7 +104,7 @@ def test_a_fits_reading_the_staged_value_runs_inline_or_falls_back_like_a_plain_
     fn = _make(staging, seen)
     x = torch.randn(12, 5)
     graph = bcg.make_graph(fn, x, mode="eager", live=(4, 8))
-    assert graph.num_breakpoints == 0
+    assert graph.stats().breakpoints == 0
     for lengths in [(3, 3, 6), (2, 2, 2, 6), (12,), (1, 1, 1, 1, 8)]:
         x.copy_(torch.randn(12, 5))
         seen.clear()
@@ -115,7 +114,7 @@ def test_a_fits_reading_the_staged_value_runs_inline_or_falls_back_like_a_plain_
         with bcg.live_scope(lengths):
             torch.testing.assert_close(out, fn(x))
     graph = bcg.make_graph(fn, x, mode="eager", live=(1, 1, 1, 1, 8))  # recorded with metadata past the bound
-    assert graph.num_breakpoints == 2 and seen[-2:] == [False, False]
+    assert graph.stats().breakpoints == 2 and seen[-2:] == [False, False]
 
 
 def test_fits_arity_counts_required_positional_arguments() -> None:
@@ -158,29 +157,26 @@ def test_the_decorator_wants_prepare_and_fits_together_and_no_stub() -> None:
     assert spec.staged
 
 
-def test_prepare_after_launch_needs_a_staged_breakpoint_and_changes_no_eager_semantics() -> None:
-    with pytest.raises(TypeError, match="prepare_after_launch"):
-        bcg.breakpoint(prepare_after_launch=True)(lambda x: x)
+def test_a_staged_breakpoint_is_a_plain_call_outside_bcg_and_prepares_in_eager_mode() -> None:
     staging, seen = _Staging(), []
-    sums = bcg.breakpoint(name="sums", mutates=("out",), prepare=staging.prepare, fits=staging.fits,
-                          prepare_after_launch=True)(lambda x, out: (seen.append(bcg.live()), out.copy_(x))[1])
-    assert sums.__bcg_breakpoint__.prepare_after_launch
+    sums = bcg.breakpoint(name="sums", mutates=("out",), prepare=staging.prepare,
+                          fits=staging.fits)(lambda x, out: (seen.append(bcg.live()), out.copy_(x))[1])
     x, out = torch.randn(3, 2), torch.empty(3, 2)
     with bcg.live_scope((1, 2)):
         sums(x, out)  # a plain call: no prepare
     assert staging.prepared == [] and seen == [(1, 2)] and torch.equal(out, x)
     graph = bcg.make_graph(lambda x: sums(x, torch.empty_like(x)), x, mode="eager", live=(1, 2))
     staging.prepared.clear()
-    graph.replay((3,))  # eager mode: prepared and uploaded before the work, as without the flag
+    graph.replay((3,))  # eager mode: prepared and uploaded before the work
     assert staging.prepared == [(3,)] and staging.buffer.device.tolist() == [0, 3, 3, 3]
 
 
-def _record_copies(first: tuple[str, _Staging, bool], second: tuple[str, _Staging, bool]) -> None:
-    """Record (eager mode) a function calling two staged copy breakpoints, each ``(name, staging,
-    prepare_after_launch)``, in that order."""
-    copies = [bcg.breakpoint(name=name, mutates=("out",), prepare=staging.prepare, fits=staging.fits,
-                             prepare_after_launch=after)(lambda x, out: out.copy_(x))
-              for name, staging, after in (first, second)]
+def _record_copies(first: tuple[str, _Staging], second: tuple[str, _Staging]) -> None:
+    """Record (eager mode) a function calling two staged copy breakpoints, each ``(name, staging)``,
+    in that order."""
+    copies = [bcg.breakpoint(name=name, mutates=("out",), prepare=staging.prepare,
+                             fits=staging.fits)(lambda x, out: out.copy_(x))
+              for name, staging in (first, second)]
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -191,18 +187,12 @@ def _record_copies(first: tuple[str, _Staging, bool], second: tuple[str, _Stagin
     bcg.make_graph(fn, torch.randn(3, 2), mode="eager", live=(1, 2))
 
 
-def test_breakpoints_sharing_a_prepare_must_agree_on_prepare_after_launch() -> None:
-    staging = _Staging()
-    with pytest.raises(bcg.CaptureError, match="'late' shares its prepare function"):
-        _record_copies(("early", staging, True), ("late", staging, False))
-
-
 def test_staging_buffer_takes_host_values_only() -> None:
     buf = bcg.StagingBuffer(4, dtype=torch.int32, device="cpu")
     with pytest.raises(TypeError, match="CPU tensor"):
         buf.write(torch.zeros(4, dtype=torch.int32, device="meta"))
     buf.write(torch.tensor([1, 2, 3, 4]))
-    assert buf.host.tolist() == [1, 2, 3, 4] and not buf.gate_open
+    assert buf.host.tolist() == [1, 2, 3, 4]
 
 
 def test_two_prepares_writing_one_buffer_are_refused_at_recording() -> None:
@@ -210,7 +200,7 @@ def test_two_prepares_writing_one_buffer_are_refused_at_recording() -> None:
     other = _Staging()
     other.buffer = staging.buffer  # a second prepare function over the same buffer
     with pytest.raises(bcg.CaptureError, match="'first' and 'second' have different prepare functions"):
-        _record_copies(("first", staging, False), ("second", other, False))
+        _record_copies(("first", staging), ("second", other))
 
 
 def test_staging_buffer_takes_exactly_its_size() -> None:
@@ -271,7 +261,7 @@ def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: p
     fn = _make(staging, seen)
     x = torch.randn(12, 5)
     graph = bcg.make_graph(fn, x, mode="eager", live=(3, 3, 3, 3))
-    assert graph.num_breakpoints == 2 and graph.staged == () and staging.prepared == []
+    assert graph.stats().breakpoints == 2 and graph.staged == () and staging.prepared == []
     assert caplog.text.count("recorded as a breakpoint") == 1  # once per name
     for lengths in [(6, 6), (2, 2, 2, 6)]:
         x.copy_(torch.randn(12, 5))
@@ -279,106 +269,3 @@ def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: p
             expected = fn(x)
         torch.testing.assert_close(graph.replay(lengths), expected)
     assert staging.prepared == []
-
-
-class _FakeGate:
-    """A gated buffer's flags as the Stager reads them (the GPU's arrival set by the test); ``log``
-    records the Stager's waits and clears in order."""
-
-    def __init__(self) -> None:
-        self.arrived = False
-        self.released = 0
-        self.log: list[str] = []
-
-    def _arrived(self) -> bool:
-        return self.arrived
-
-    def _clear_arrival(self) -> None:
-        self.log.append("clear")
-        self.arrived = False
-
-    def _wait_for_gate(self) -> None:
-        self.log.append("wait")
-
-    def _release(self, stream: int) -> None:
-        self.released += 1
-
-
-def _fake_stager(monkeypatch: pytest.MonkeyPatch) -> tuple[staging.Stager, _FakeGate, list[int]]:
-    """A Stager of one gated buffer and one prepare (which records its calls), no GPU."""
-    monkeypatch.setattr(staging, "LATE_STREAK", 3)
-    monkeypatch.setattr(staging, "PREPARE_FIRST_REPLAYS", 4)
-    stager = staging.Stager()
-    gate = _FakeGate()
-    stager._gated = [gate]  # a graph whose copy waits at one gate
-    stager._current_stream = lambda device: 0
-    prepared: list[int] = []
-    stager._prepares = [prepared.append]
-    return stager, gate, prepared
-
-
-def test_late_launches_in_a_row_make_prepare_run_first_for_a_while_then_launching_first_is_tried_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    stager, gate, prepared = _fake_stager(monkeypatch)
-
-    def replay(late: bool) -> bool:
-        """One replay as BreakableGraph.replay runs it; whether it launched first."""
-        first = stager.launch_first_now()
-        if first:
-            gate.arrived = True  # the previous replay's arrival: cleared before this launch
-            stager.before_launch()
-            assert gate.log[-2:] == ["wait", "clear"]  # cleared only once the previous copy ran
-            gate.arrived = late  # the GPU reached the gate while the launch ran (or not)
-            stager.prepare_launched(1)
-        else:
-            stager.prepare(1)
-        return first
-
-    assert [replay(late) for late in (True, True, False, True, True)] == [True] * 5  # the streak broke
-    assert stager.late_launches == 4 and stager.launched_first == 5
-    assert replay(True)  # the third late launch in a row ...
-    assert [replay(True) for _ in range(4)] == [False] * 4  # ... prepare runs first for PREPARE_FIRST_REPLAYS
-    assert replay(False) and replay(True)  # launching first is tried again; one late replay is no streak
-    assert (stager.launched_first, stager.late_launches) == (8, 6)
-    assert len(prepared) == 12 and gate.released == 12  # every replay prepared once and opened its gate once
-
-
-def test_replays_that_force_the_order_are_counted_but_do_not_choose_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    stager, gate, prepared = _fake_stager(monkeypatch)
-    for _ in range(5):  # forced launch-first replays (bcg.verify's, replay(launch_first=True)), all late
-        stager.before_launch()
-        gate.arrived = True
-        stager.prepare_launched(1, choosing=False)
-    assert (stager.launched_first, stager.late_launches) == (5, 5)
-    assert stager.launch_first_now()  # no streak came of them
-
-
-# -- the gated-copy kernel's build (bcg.staged.gate) --------------------------------------------------
-
-
-@pytest.mark.parametrize(("capability", "time_limit", "why"), [
-    ((9, 0), False, "NVRTC could not compile"), ((6, 1), False, "needs sm_70"), ((9, 0), True, "run-time limit"),
-])
-def test_a_gated_copy_kernel_that_cannot_be_built_is_none_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capability: tuple[int, int],
-        time_limit: bool, why: str) -> None:
-    def refuse(source: str, name: str, arch: str, *options: str) -> bytes:
-        raise RuntimeError(f"NVRTC could not compile {name} for {arch}")
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(bcg.core.cudart, "kernel_time_limit", lambda device: time_limit)
-    monkeypatch.setattr(bcg.core.cudart, "compile_cubin", refuse)
-    bcg.staged.gate.kernel.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="bcg"):
-            assert bcg.staged.gate.kernel(0) is None
-            assert bcg.staged.gate.kernel(0) is None  # asked again: the same answer, logged once
-    finally:
-        bcg.staged.gate.kernel.cache_clear()
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and why in warnings[0] and "stream memory operations" in warnings[0]
-
-
-def test_a_gated_copy_runs_a_warp_per_2_kib_up_to_1024_threads() -> None:
-    sizes = (0, 36, 2048, 2049, 8 * 2048, bcg.staged.gate.KERNEL_COPY_MAX)
-    assert [bcg.staged.gate.threads(n) for n in sizes] == [32, 32, 32, 64, 256, 1024]

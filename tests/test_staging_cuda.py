@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import bcg
+from bcg.capture import capture_into
+from bcg.core.plan import BreakpointStep
+from bcg.core.session import CaptureOptions
 
 pytestmark = pytest.mark.cuda
 
@@ -122,7 +125,7 @@ def test_inline_replays_are_bit_identical_to_eager_and_misfits_fall_back(compile
         _eager(block, torch.randn(n, HIDDEN, device="cuda", dtype=DTYPE), _capture_meta(n))
     runner = _runner(block, buckets)
     rng = random.Random(1)
-    assert runner.graph(256).stats().staged == ("attn",)
+    assert runner.graph(256).staged == ("attn",)
     expected_inline = 0
     expected_fallback = 0
     for i in range(120 if not compiled else 40):
@@ -194,7 +197,7 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
 
     runner = _runner(block, buckets, capture_live=tiers)
     for n in buckets:
-        assert [t.staged for t in runner.tiers(n)] == [("attn",), ("attn",)]
+        assert [f.name for f in runner.graph(n).forms] == ["tier 0", "tier 1", "inline", "breakable"]
     rng = random.Random(3)
     ran = {1: 0, 2: 0}
     for i in range(60):
@@ -203,27 +206,28 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         T = n if i % 3 == 0 else rng.randint(max(requests, n // 2), n)  # T = bucket: no zeroing
         meta = Meta(_lengths(rng, T, requests))
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
-        before = [t.staged_replays()[0] for t in runner.tiers(n)]
+        before = [f.replays for f in runner.graph(n).forms[:2]]
         asked = staging.fits_calls
         y = runner(x, live=meta)
         # tiers tried in order, then (none fits) the bucket's own graph asks once
         assert staging.fits_calls - asked == {1: 1, 2: 2}.get(requests, 3), (i, requests)
         assert torch.equal(y, _eager(block, x, meta)), f"call {i}: T={T}, lengths={meta.lengths}"
-        after = [t.staged_replays()[0] for t in runner.tiers(n)]
+        after = [f.replays for f in runner.graph(n).forms[:2]]
         expected = [int(requests == 1), int(requests == 2)]
         assert [b - a for a, b in zip(before, after)] == expected, (i, requests)
         if requests <= 2:
             ran[requests] += 1
-    for n in buckets:  # the zeroing skipped: trimmed executables inline, disabled nodes in the fallback
-        graph = runner.graph(n)
-        assert graph.fallback is not None and all(s.in_place is not None for s in graph.fallback.segments)
-        assert graph.stats().trimmed_executables >= 1 and graph.fallback.stats().trimmed_executables == 0
+    for n in buckets:  # the zeroing skipped: trimmed executables inline, disabled nodes in the breakable form
+        *staged_forms, breakable = runner.graph(n).forms
+        assert all(s.in_place is not None for s in breakable.segments)
+        assert sum(len(s.trimmed) for f in staged_forms for s in f.segments) >= 1
+        assert sum(len(s.trimmed) for s in breakable.segments) == 0
     stats = runner.stats()
     assert stats["tier_replays"] == ran[1] + ran[2] == 24
     assert stats["inline_replays"] == 48 and stats["staged_fallbacks"] == {"attn does not fit": 12}
-    tiers = runner.tiers(32) + runner.tiers(128)
+    graphs = [runner.graph(32), runner.graph(128)]
     runner.reset()
-    assert runner.tiers(32) == [] and not any(t.is_captured for t in tiers)  # freed with the runner
+    assert not any(g.is_captured for g in graphs)  # freed with the runner
 
 
 def test_padded_rows_carry_no_nan_under_poison(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,7 +251,9 @@ def test_make_graph_holds_both_forms_and_outputs_are_the_same_tensors() -> None:
     x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
     graph = bcg.make_graph(block, x, live=Meta((50, 78)))
     out = graph.outputs
-    assert graph.fallback is not None and graph.fallback.num_breakpoints == 2 and graph.num_breakpoints == 0
+    inline, breakable = graph.forms
+    assert (inline.name, breakable.name) == ("inline", "breakable") and graph.stats().breakpoints == 0
+    assert sum(isinstance(s, BreakpointStep) for s in breakable.plan) == 2
     rng = random.Random(5)
     for requests in (1, 4, 6, 2, 5):
         meta = Meta(_lengths(rng, 128, requests))
@@ -255,7 +261,8 @@ def test_make_graph_holds_both_forms_and_outputs_are_the_same_tensors() -> None:
         y = graph.replay(meta)
         assert y is out
         assert torch.equal(out, _eager(block, x, meta))
-    assert graph.stats().inline_replays == 3 and graph.stats().fallback_replays == {"attn does not fit": 2}
+    staged = graph.stats().staged
+    assert staged.inline_replays == 3 and staged.breakable_replays == {"attn does not fit": 2}
     graph.reset()
 
 
@@ -269,14 +276,14 @@ def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> No
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         y = block(x)
-        with bcg.switchable("count"):
+        with bcg.core.session.switchable("count"):
             counter.add_(1)
         return y
 
     x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
     graph = bcg.make_graph(fn, x, live=Meta((50, 78)))
-    fallback = graph.fallback
-    assert fallback is not None and all(s.in_place is not None for s in fallback.segments)
+    fallback = graph.forms[-1]
+    assert fallback.breakable and all(s.in_place is not None for s in fallback.segments)
     rng = random.Random(11)
 
     def replay(requests: int, counted: int) -> None:
@@ -289,14 +296,14 @@ def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> No
             assert torch.equal(y, block(x))
 
     assert graph.set_enabled("count", False)
-    assert graph.stats().disabled == ("count",) and fallback.stats().disabled == ()  # not switched yet
+    assert graph.forms[0].disabled == {"count"} and fallback.disabled == frozenset()  # not switched yet
     replay(2, 0)  # inline
     replay(6, 0)  # the fallback, switched first
-    assert fallback.stats().disabled == ("count",) and fallback.stats().trimmed_executables == 0
+    assert fallback.disabled == {"count"} and sum(len(s.trimmed) for s in fallback.segments) == 0
     assert graph.set_enabled("count", True)
     replay(5, 1)
     replay(3, 1)
-    assert fallback.stats().disabled == () and graph.stats().fallback_replays == {"attn does not fit": 2}
+    assert fallback.disabled == frozenset() and graph.stats().staged.breakable_replays == {"attn does not fit": 2}
     graph.reset()
 
 
@@ -311,14 +318,9 @@ def test_a_graph_with_no_breakable_form_refuses_metadata_that_does_not_fit() -> 
     assert torch.equal(out, _eager(block, x, Meta((30, 34))))
     with pytest.raises(bcg.ReplayError, match="does not fit"):
         graph.replay(Meta((10,) * 5 + (14,)))
-    # the context-manager form gets its breakable form by hand: outputs on both graphs first
-    fallback = bcg.BreakableGraph()
-    with pytest.raises(bcg.ReplayError, match="outputs"):
-        graph.set_fallback(fallback)
-    with bcg.capture(fallback, pool=graph.pool(), live=Meta((64,)), inline=False):
-        fallback_out = block(x)
-    graph.outputs, fallback.outputs = out, fallback_out
-    graph.set_fallback(fallback)
+    # its breakable form added as make_graph adds it: captured into its pool, after its outputs are set
+    graph.outputs = out
+    capture_into(graph, lambda: block(x), CaptureOptions(live=Meta((64,))), form="breakable")
     too_many = Meta((10,) * 5 + (14,))
     assert graph.replay(too_many) is out
     assert torch.equal(out, _eager(block, x, too_many))
@@ -333,7 +335,7 @@ def test_verify_covers_inline_and_fallback_and_catches_an_incomplete_prepare() -
     samples = [Meta(_lengths(rng, 96, r)) for r in (1, 2, 3, 4, 5, 6)]
     report = bcg.verify(Block(_make_attention(Staging())), make_inputs, samples)
     assert report.ok and report.samples == 6
-    with pytest.raises(bcg.VerificationError, match="output"):
+    with pytest.raises(bcg.errors.VerificationError, match="output"):
         bcg.verify(Block(_make_attention(Staging(forget_last=True))), make_inputs, samples)
 
 
@@ -343,7 +345,7 @@ def test_capture_metadata_that_does_not_fit_gives_the_breakable_form(caplog: pyt
     too_many = Meta((20,) * 6)
     graph = bcg.make_graph(block, x, live=too_many)
     assert "recorded as a breakpoint" in caplog.text
-    assert graph.stats().staged == () and graph.num_breakpoints == 2 and graph.fallback is None
+    assert graph.staged == () and graph.stats().breakpoints == 2 and len(graph.forms) == 1
     for meta in (Meta((60, 60)), too_many):
         x.copy_(torch.randn_like(x))
         assert torch.equal(graph.replay(meta), _eager(block, x, meta))
@@ -365,7 +367,7 @@ def test_a_max_seqlen_over_the_bound_falls_back_and_stays_exact() -> None:
     staging = Tight()
     block = Block(_make_attention(staging))
     runner = _runner(block, [128], capture_live=lambda n: Meta((n // SLOTS,) * SLOTS))  # each request <= bound
-    assert runner.graph(128).stats().staged == ("attn",)
+    assert runner.graph(128).staged == ("attn",)
     rng = random.Random(13)
     expected = {"attn does not fit": 0}
     for _ in range(30):
@@ -387,7 +389,7 @@ def test_verify_with_capture_metadata_that_does_not_fit() -> None:
     rng = random.Random(17)
     samples = [Meta(_lengths(rng, 96, r)) for r in (6, 2, 5)]  # the capture's (the first) does not fit
     report = bcg.verify(Block(_make_attention(Staging())), make_inputs, samples)
-    assert report.ok and report.graph.staged == () and report.graph.num_breakpoints == 2
+    assert report.ok and report.graph.staged == () and report.graph.stats().breakpoints == 2
 
 
 def test_reset_from_a_breakpoint_of_the_fallback_is_refused_and_frees_nothing() -> None:
@@ -406,7 +408,7 @@ def test_reset_from_a_breakpoint_of_the_fallback_is_refused_and_frees_nothing() 
     holder["graph"] = graph
     with pytest.raises(bcg.ReplayError, match="while this graph is replaying"):
         graph.replay(Meta((10,) * 5 + (14,)))
-    assert graph.is_captured and graph.fallback is not None
+    assert graph.is_captured and len(graph.forms) == 2
     meta = Meta((20, 44))
     assert torch.equal(graph.replay(meta), _eager(block, x, meta))
     holder.clear()
@@ -424,11 +426,12 @@ def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: py
     staging = TieredStaging()
     block = Block(_make_attention(staging))
     peer = {"failed": False}
-    real_capture_fallback = graph_runner.capture_fallback
+    real_capture_into = graph_runner.capture_into
 
-    def capture_fallback(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        out = real_capture_fallback(*args, **kwargs)
-        peer["failed"] = sum(kwargs["live"].lengths) == 64  # the peer fails bucket 64 right after this
+    def capture_into(graph, fn, options, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        out = real_capture_into(graph, fn, options, **kwargs)
+        if kwargs.get("form") == "breakable":
+            peer["failed"] = sum(options.live.lengths) == 64  # the peer fails bucket 64 right after this
         return out
 
     class OnePeer:  # RankAgreement(same_inputs=True), as this rank sees its peer
@@ -445,12 +448,14 @@ def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: py
     def tiers(n: int) -> bcg.StagedTiers:
         return bcg.StagedTiers(Meta(_lengths(random.Random(n), n, 1), slots=1), _capture_meta(n))
 
-    monkeypatch.setattr(graph_runner, "capture_fallback", capture_fallback)
+    monkeypatch.setattr(graph_runner, "capture_into", capture_into)
     x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
     runner = bcg.GraphRunner(block, buckets=[32, 64], example_inputs=(x,), capture_live=tiers, progress=False,
                              ranks=OnePeer()).capture()  # type: ignore[arg-type]
     assert sorted(runner.failed_buckets) == [64] and "another rank" in runner.failed_buckets[64]
-    assert runner.tiers(64) == [] and len(runner.tiers(32)) == 1  # bucket 32 and its tier voted through
+    with pytest.raises(KeyError):
+        runner.graph(64)
+    assert sum(f.name.startswith("tier") for f in runner.graph(32).forms) == 1  # bucket 32 and its tier voted through
     rng = random.Random(5)
     for T, requests in ((50, 1), (20, 1), (30, 3)):  # eager (bucket 64), bucket 32's tier, its graph
         meta = Meta(_lengths(rng, T, requests))

@@ -134,13 +134,13 @@ def _forward(x: torch.Tensor) -> torch.Tensor:
 def test_eager_mode_runs_keyed_breakpoints_eagerly_and_counts_their_keys() -> None:
     x = torch.randn(4)
     graph = bcg.make_graph(_forward, x, live=Meta((1, 2)), mode="eager")
-    assert isinstance(graph.variants, VariantCache)
+    assert isinstance(graph.forms[0].variants, VariantCache)
     for lengths in [(1, 2), (3,), (1, 2), (2, 2)]:
         x.copy_(torch.randn(4))
         with bcg.live_scope(Meta(lengths)):
             want = _forward(x.clone())
         assert torch.equal(graph.replay(live=Meta(lengths)), want)
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     assert st is not None
     bp = st["breakpoints"]["scaled"]
     assert bp["replays"] == 4 and bp["repeats"] == 1  # one key per replay, shared by both calls
@@ -165,7 +165,7 @@ def test_a_graph_without_keyed_breakpoints_has_no_variants() -> None:
         return x * 2
 
     graph = bcg.make_graph(lambda x: plain(x + 1) + 1, torch.randn(4), mode="eager")
-    assert graph.variants is None and graph.stats().variants is None
+    assert graph.forms[0].variants is None and graph.stats().keyed is None
 
 
 def test_keys_that_never_repeat_retire_the_breakpoint_to_plain_calls() -> None:
@@ -175,5 +175,5 @@ def test_keys_that_never_repeat_retire_the_breakpoint_to_plain_calls() -> None:
         with bcg.live_scope(Meta((n,))):
             want = _forward(x.clone())
         assert torch.equal(graph.replay(live=Meta((n,))), want)
-    bp = graph.stats().variants["breakpoints"]["scaled"]
+    bp = graph.stats().keyed["graph"]["breakpoints"]["scaled"]
     assert not bp["capturing"] and "0%" in bp["stopped"] and "plain breakpoint" in bp["stopped"]

@@ -108,7 +108,7 @@ def test_hits_misses_and_stitched_replays_are_bit_identical_to_eager() -> None:
         want = eager(model, x.clone(), Meta(lengths))
         got = graph.replay(live=Meta(lengths))
         assert torch.equal(got, want), f"replay {i} with lengths {lengths} differs from eager"
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     assert st is not None
     bp = st["breakpoints"]["unfused"]
     assert paths["miss"] >= 10 and paths["hit"] >= 20
@@ -132,8 +132,8 @@ def test_stitched_replays_equal_piecewise_replays() -> None:
         a = stitched.replay(live=meta).clone()
         b = piecewise.replay(live=meta).clone()
         assert torch.equal(a, b)
-    assert stitched.stats().variants["stitched_replays"] == 16  # 4 misses, 4 first hits piecewise
-    pst = piecewise.stats().variants
+    assert stitched.stats().keyed["graph"]["stitched_replays"] == 16  # 4 misses, 4 first hits piecewise
+    pst = piecewise.stats().keyed["graph"]
     assert pst["stitched_replays"] == 0 and "off" in pst["stitch_blocker"]
     assert pst["breakpoints"]["unfused"]["hits"] == 20 * LAYERS  # variants launched one by one
     stitched.reset()
@@ -144,7 +144,7 @@ def test_segments_that_draw_random_numbers_are_not_stitched_and_match_eager() ->
     model = Model(attention, dropout=0.5)
     x = torch.randn(T, HIDDEN, device="cuda")
     graph = bcg.make_graph(model, x, live=Meta((T,)))
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     assert "random" in st["stitch_blocker"]
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     for lengths in [(T,), (20, 44), (T,), (20, 44), (10, 10, 44)]:
@@ -156,7 +156,7 @@ def test_segments_that_draw_random_numbers_are_not_stitched_and_match_eager() ->
         got = graph.replay(live=meta)
         assert torch.equal(got, want), lengths
         assert gen.get_offset() == eager_end  # the replay advanced the generator as eager did
-    assert graph.stats().variants["breakpoints"]["unfused"]["hits"] == 2 * LAYERS
+    assert graph.stats().keyed["graph"]["breakpoints"]["unfused"]["hits"] == 2 * LAYERS
     graph.reset()
 
 
@@ -175,7 +175,7 @@ def test_a_breakpoint_that_draws_random_numbers_is_not_stitched() -> None:
         want = eager(model, x.clone(), Meta(lengths))
         gen.set_state(state)
         assert torch.equal(graph.replay(live=Meta(lengths)), want)
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     assert st["stitched_replays"] == 0 and st["breakpoints"]["noisy"]["hits"] == 3 * LAYERS
     graph.reset()
 
@@ -200,7 +200,7 @@ def test_evicting_variants_returns_their_memory() -> None:
         assert torch.equal(graph.replay(live=meta), eager(model, x.clone(), meta))
         torch.cuda.synchronize()
         highs.append(torch.cuda.memory_reserved() - base)
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     assert st["entries"] == 2 and st["evictions"] == 6, st
     assert max(highs) <= 3 * big + (16 << 20), [h >> 20 for h in highs]  # two kept, one being captured
     graph.reset()
@@ -224,7 +224,7 @@ def test_an_uncapturable_breakpoint_runs_eagerly_with_the_reason_logged(caplog: 
             assert torch.equal(graph.replay(live=Meta(lengths)), eager(model, x.clone(), Meta(lengths)))
     reasons = [r.getMessage() for r in caplog.records if "cannot be captured" in r.getMessage()]
     assert len(reasons) == 1 and "syncing" in reasons[0], reasons  # logged once
-    bp = graph.stats().variants["breakpoints"]["syncing"]
+    bp = graph.stats().keyed["graph"]["breakpoints"]["syncing"]
     assert bp["hits"] == 0 and bp["misses"] == 8 and sum(bp["eager_only"].values()) == 2
     assert not torch.cuda.is_current_stream_capturing()
     torch.zeros(1, device="cuda").add_(1).item()  # CUDA still usable
@@ -248,7 +248,7 @@ def test_a_breakpoint_reading_a_live_tensor_stays_eager() -> None:
     for _ in range(3):
         meta = TensorMeta((T,), torch.randn(1, device="cuda"))  # a new tensor each time
         assert torch.equal(graph.replay(live=meta), eager(model, x.clone(), meta))
-    bp = graph.stats().variants["breakpoints"]["biased"]
+    bp = graph.stats().keyed["graph"]["breakpoints"]["biased"]
     assert bp["hits"] == 0 and any("bcg.live()" in r for r in bp["eager_only"]), bp
     graph.reset()
 
@@ -259,7 +259,7 @@ def test_audit_catches_a_key_that_misses_a_field() -> None:
     graph = bcg.make_graph(model, x, live=Meta((T,)), variants=bcg.VariantPolicy(audit_every=1))
     a, b = Meta((20, 44), scale=1.0), Meta((20, 44), scale=2.0)  # same (wrong) key, different work
     assert torch.equal(graph.replay(live=a), eager(model, x.clone(), a))
-    with pytest.raises(bcg.VerificationError, match=r"unfused_wrong_key.*\(20, 44\)"):
+    with pytest.raises(bcg.errors.VerificationError, match=r"unfused_wrong_key.*\(20, 44\)"):
         graph.replay(live=b)
     # the wrong variant was dropped: the next replay captures anew and is right
     assert torch.equal(graph.replay(live=b), eager(model, x.clone(), b))
@@ -280,7 +280,7 @@ def test_verify_catches_a_key_that_misses_a_field_and_passes_a_right_one() -> No
     x = torch.randn(T, HIDDEN, device="cuda")
     samples = [Meta((20, 44), 1.0), Meta((20, 44), 2.0), Meta((T,), 1.0)]
     bcg.verify(Model(attention), lambda: (torch.randn(T, HIDDEN, device="cuda"),), samples)
-    with pytest.raises(bcg.VerificationError, match="unfused_wrong_key"):
+    with pytest.raises(bcg.errors.VerificationError, match="unfused_wrong_key"):
         bcg.verify(Model(wrong_key_attention), lambda: (torch.randn(T, HIDDEN, device="cuda"),), samples)
     del x
 
@@ -294,7 +294,7 @@ def test_a_full_stitched_cache_updates_in_place() -> None:
     for lengths in tuples * 4:  # round 1 captures, round 2 launches piecewise, rounds 3-4 stitch
         x.copy_(torch.randn(T, HIDDEN, device="cuda"))
         assert torch.equal(graph.replay(live=Meta(lengths)), eager(model, x.clone(), Meta(lengths)))
-    st = graph.stats().variants["stitched"]
+    st = graph.stats().keyed["graph"]["stitched"]
     assert st["cached"] == 1
     assert st["updates"] + st["update_refusals"] == 7, st  # every build but the first tried the one executable
     assert st["updates"] >= 4, st  # two requests -> two requests: the same topology, updated in place
@@ -313,13 +313,13 @@ def test_low_hit_rate_stops_capturing() -> None:
             continue
         seen.add(lengths)
         assert torch.equal(graph.replay(live=Meta(lengths)), eager(model, x.clone(), Meta(lengths)))
-    st = graph.stats().variants
+    st = graph.stats().keyed["graph"]
     bp = st["breakpoints"]["unfused"]
     assert not bp["capturing"] and "two windows" in bp["stopped"]
     assert bp["captures"] == 15  # two low windows of 8, judged at the 16th replay
     assert st["entries"] == 0  # their variants, never used, were freed when capturing stopped
     assert "plain breakpoint" in bp["stopped"]  # and the steps went back to plain calls
-    assert all(s.variants is None for s in graph.breakpoints) and graph.executor == "native"
+    assert all(getattr(s, "variants", None) is None for s in graph.plan) and graph.executor == "native"
     graph.reset()
 
 

@@ -60,10 +60,6 @@ class Case:
     # the same point (same static inputs) with the staged breakpoint as ``bp`` and the live
     # metadata it takes (``live``, ``new_live``, ``live_for``); None: no staged form here
     staged: Case | None = None
-    # the staged point without one knob each, by name ("first": prepare before the launch;
-    # "simple": that, and plain captured copies instead of the gated-copy kernel; "notiers":
-    # no staged tiers)
-    staged_variants: dict[str, Case] = field(default_factory=dict)
     # the same point with a keyed breakpoint (``key=``, modes ``bcg-specialized*``); None: not here
     specialized: Case | None = None
     # ``live_stream(kind)``: a fresh function returning each forward's live metadata, its length

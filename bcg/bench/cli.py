@@ -467,7 +467,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
         # same batch: with same-inputs, each chooses locally and the choices are checked after the
         # launch); NCCL captures in thread_local mode (the process group's watchdog thread queries
         # events meanwhile)
-        ctx.ranks = bcg.RankAgreement(same_inputs=args.rank_agreement != "every-call")
+        ctx.ranks = bcg.distributed.RankAgreement(same_inputs=args.rank_agreement != "every-call")
         ctx.capture_error_mode = "thread_local"
     suffix = f".rank{rank}" if rank is not None else ""
 

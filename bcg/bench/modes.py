@@ -28,6 +28,7 @@ from bcg.bench.registry import (
     register_mode,
 )
 from bcg.bench.timing import compiling_call
+from bcg.core.torch_internals import has_triton
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -55,10 +56,8 @@ def _runner_measures(
 
     Arguments:
         runner_stats: the runner's ``stats``. ``staged``: adds ``inline_fraction`` (its inline
-            replays / graph calls over the timing rounds, their warm-up calls included),
-            ``launch_first_fraction`` (replays that launched before ``prepare`` / inline
-            replays) and ``late_fraction`` (of those, the ones whose launch returned with the
-            GPU at a gate), and ``staged_fallbacks`` ({reason: replays of the breakable form}).
+            replays / graph calls over the timing rounds, their warm-up calls included) and
+            ``staged_fallbacks`` ({reason: replays of the breakable form}).
         keyed: the runner's breakpoints are keyed: adds, over the same rounds, ``hit_rate``
             (breakpoint calls served by a variant), ``stitched_share`` (graph calls launched as
             one stitched graph), ``variant_captures``, and ``cache_mib`` (variant pools and
@@ -75,9 +74,6 @@ def _runner_measures(
                 calls = after["graph_calls"] - before["graph_calls"]
                 inline = after["inline_replays"] - before["inline_replays"]
                 out["inline_fraction"] = inline / calls if calls else None
-                first = after["launched_first"] - before["launched_first"]
-                out["launch_first_fraction"] = first / inline if inline else None
-                out["late_fraction"] = (after["late_launches"] - before["late_launches"]) / first if first else None
                 fallbacks = {r: n - before["staged_fallbacks"].get(r, 0) for r, n in after["staged_fallbacks"].items()}
                 out["staged_fallbacks"] = {r: n for r, n in fallbacks.items() if n}
             if keyed:
@@ -288,8 +284,6 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torc
 
 
 def _compile_reason() -> str | None:
-    from torch.utils._triton import has_triton
-
     return None if has_triton() else "torch.compile modes need Triton (Inductor's GPU backend)"
 
 
@@ -390,37 +384,6 @@ def build_bcg_compile(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
     return _bcg_staged(case, ctx, compiled=False)
-
-
-def _bcg_staged_variant(case: Case, ctx: BuildContext, name: str) -> Built:
-    variant = case.staged_variants.get(name)
-    if variant is None:
-        raise NotApplicable(f"{case.label} has no staged breakpoint here")
-    return _bcg_runner(variant, ctx, None, staged=True)
-
-
-@register_mode("bcg-staged-first", help="bcg-staged with prepare before the launch (a knob measured)")
-def build_bcg_staged_first(case: Case, ctx: BuildContext) -> Built:
-    return _bcg_staged_variant(case, ctx, "first")
-
-
-@register_mode("bcg-staged-simple", help="bcg-staged with prepare before the launch and plain captured copies "
-               "(no gated-copy kernel; a knob measured)")
-def build_bcg_staged_simple(case: Case, ctx: BuildContext) -> Built:
-    return _bcg_staged_variant(case, ctx, "simple")
-
-
-@register_mode("bcg-staged-notiers", help="bcg-staged without staged tiers (a knob measured)")
-def build_bcg_staged_notiers(case: Case, ctx: BuildContext) -> Built:
-    return _bcg_staged_variant(case, ctx, "notiers")
-
-
-@register_mode("bcg-staged-python", help="bcg-staged with use_executor('python') (a knob measured)",
-               available=_native_reason)
-def build_bcg_staged_python(case: Case, ctx: BuildContext) -> Built:
-    if case.staged is None:
-        raise NotApplicable(f"{case.label} has no staged breakpoint here")
-    return _bcg_runner(case.staged, ctx, "python", staged=True)
 
 
 @register_mode(

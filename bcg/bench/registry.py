@@ -33,7 +33,7 @@ class BuildContext:
 
     capture_warmup: int = 1  # eager runs on the capture stream before a capture
     max_stitched: int = 32  # keyed modes: VariantPolicy.max_stitched
-    # multi-GPU (--tp): the runner modes' bcg.RankAgreement, and "thread_local" captures (NCCL)
+    # multi-GPU (--tp): the runner modes' bcg.distributed.RankAgreement, and "thread_local" captures (NCCL)
     ranks: Any = None
     capture_error_mode: str = "global"
 

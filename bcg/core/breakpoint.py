@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
 from bcg.errors import LiveReadInSegmentError, user_line
 
@@ -71,7 +71,7 @@ def live(default: Any = UNSET, *, static_ok: bool = False) -> Any:
 
     .. warning::
         Read per-replay values only inside ``@bcg.breakpoint`` functions. A read
-        from segment code during a capture raises :class:`bcg.LiveReadInSegmentError`
+        from segment code during a capture raises :class:`bcg.errors.LiveReadInSegmentError`
         naming the line, unless ``static_ok=True``.
     """
     if not static_ok:
@@ -177,7 +177,6 @@ class BreakpointSpec:
     prepare: Callable[[Any], Any] | None = None
     fits: Callable[..., bool] | None = None
     key: Callable[[Any], Any] | None = None
-    prepare_after_launch: bool = False
 
     @property
     def staged(self) -> bool:
@@ -270,6 +269,10 @@ class Recorder:
             self.in_segment = True
 
 
+NOT_INLINE: Any = object()
+"""What a recorder of staged breakpoints returns for one it recorded as a breakpoint instead
+(its metadata did not fit): the caller records it as a plain breakpoint."""
+
 ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("bcg_active_recorder", default=None)
 
 
@@ -324,7 +327,6 @@ def breakpoint(
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
-    prepare_after_launch: bool = False,
 ) -> Callable[[F], F]: ...
 
 
@@ -339,7 +341,6 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
-    prepare_after_launch: bool = False,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -360,10 +361,6 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             metadata that ``prepare(live)`` stages in static buffers at every
             replay, whenever ``fits(live)`` (or ``fits(live, staged)``, given what
             ``prepare`` returned at capture); see :mod:`bcg.staged.staging` for the contract.
-        prepare_after_launch: run ``prepare`` after the graph's launch, while the GPU
-            runs the work before the first copy of its buffers, which waits for it
-            (a captured flag wait). ``prepare`` must then never wait on the GPU (a
-            hang) and should not raise for metadata that ``fits``: see :mod:`bcg.staged.staging`.
         key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value
             covering everything host-dynamic its GPU work depends on; its work is
             captured once per key (a *variant*) and replayed from then on, and a
@@ -386,8 +383,6 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     """
     if (prepare is None) != (fits is None):
         raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
-    if prepare_after_launch and prepare is None:
-        raise TypeError("@bcg.breakpoint: prepare_after_launch=True needs prepare= and fits= (a staged breakpoint)")
     if key is not None and not callable(key):
         raise TypeError(f"@bcg.breakpoint: key= takes a function of the live metadata, not {key!r}")
     if capture_stub is not None and prepare is not None:
@@ -406,13 +401,11 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             prepare=prepare,
             fits=fits,
             key=key,
-            prepare_after_launch=bool(prepare_after_launch),
         )
         active = ACTIVE.get
 
         # torch.compiler.disable: inside compiled code, a graph break Dynamo never traces into.
-        # It costs about 1 us per call (measured on CPU, torch 2.13), and replays do not go
-        # through this wrapper: they call the function directly.
+        # Replays do not go through this wrapper: they call the function directly.
         @torch.compiler.disable
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             recorder = active()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
 from bcg.errors import BreakpointOutputMismatch
 from bcg.core.breakpoint import tensor_leaves
@@ -113,7 +113,7 @@ class BridgeSet:
         return pytree.tree_unflatten(self._leaves, self._spec)
 
     def hold_through(self, release: Any) -> None:
-        """Hold each bridge and in-place result as ``release(tensor)`` from now on (``ownership="pool"``)."""
+        """Hold each bridge and in-place result as ``release(tensor)`` from now on (non-owning aliases, see :mod:`bcg.core.pool`)."""
         self._leaves = [release(x) if k != _VALUE else x for x, k in zip(self._leaves, self._kinds)]
 
     def tensors(self) -> list[torch.Tensor]:

@@ -25,23 +25,15 @@ Nothing here imports Inductor: when it is not loaded there is nothing to switch.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from types import TracebackType
 from typing import Any
 
+from bcg.core.torch_internals import dynamo_graphs, inductor_config
+
 log = logging.getLogger("bcg")
 
 CAPTURE_SIZES = "triton.cudagraph_capture_sizes"
-
-
-def dynamo_graphs() -> int:
-    """Graphs Dynamo has compiled in this process so far (0 when Dynamo is not loaded)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
 
 
 class _InductorGraphsOff:
@@ -61,7 +53,7 @@ class _InductorGraphsOff:
             self._depth += 1
             if self._depth > 1:
                 return
-            config = sys.modules.get("torch._inductor.config")
+            config = inductor_config()
             if config is not None and getattr(config.triton, "cudagraph_capture_sizes", ()) != ():
                 self._patch = config.patch({CAPTURE_SIZES: ()})
                 self._patch.__enter__()

@@ -1,20 +1,15 @@
-"""Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime``).
+"""Thin, lazily imported wrappers over cuda-python (``cuda.bindings.runtime`` and ``driver``).
 
 Only what the capture machinery needs: capture status, joining forked work,
-node counts, uploads, edited copies of graphs, launches, DOT dumps,
-stream memory operations and NVRTC-compiled kernels (the gates of
-:mod:`bcg.staged.staging`); and
-the cheapest readers of torch's current device and stream. Handles are plain
-``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
+node counts, uploads, copies, edited copies of graphs, launches and DOT dumps.
+Handles are plain ``int`` values (what ``torch.cuda.Stream.cuda_stream`` and
 ``CUDAGraph.raw_cuda_graph()`` return).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections import Counter
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -33,17 +28,6 @@ def runtime() -> ModuleType:
             "pip install -e '.[cuda]' in a checkout, or pip install 'breakpoint-cuda-graphs[cuda]'"
         ) from exc
     return rt
-
-
-def stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
-    """``(current device, current raw stream of a device)``, the cheapest way torch offers."""
-    import torch  # (lazily, like cuda-python: this module loads without either)
-
-    get_device = getattr(torch._C, "_cuda_getDevice", None)
-    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_device is not None and get_stream is not None:
-        return get_device, get_stream
-    return torch.cuda.current_device, lambda device: int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def check(result: Any) -> Any:
@@ -199,16 +183,6 @@ def begin_capture(stream: int) -> None:
     check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed))
 
 
-def stream_idle(stream: int) -> bool:
-    """Whether all work queued on ``stream`` is done (``cudaStreamQuery``); raises its CUDA error."""
-    rt = runtime()
-    err = rt.cudaStreamQuery(stream)[0]
-    if err == rt.cudaError_t.cudaErrorNotReady:
-        return False
-    check(err)
-    return True
-
-
 def upload(graph_exec: int, stream: int) -> None:
     """Upload an executable graph so its first launch costs what later ones do."""
     check(runtime().cudaGraphUpload(graph_exec, stream))
@@ -256,77 +230,9 @@ def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     _driver_call("cuMemsetD32Async", ptr, value, count, stream)
 
 
-def host_device_pointer(host_ptr: int) -> int:
-    """The device address of pinned host memory ``host_ptr`` (``cuMemHostGetDevicePointer``)."""
-    return int(_driver_call("cuMemHostGetDevicePointer", host_ptr, 0))
-
-
-def wait_value32(stream: int, ptr: int, value: int) -> None:
-    """``cuStreamWaitValue32``: work on ``stream`` after this waits until the 32-bit word at
-    ``ptr`` (a device address; of pinned host memory too) equals ``value`` (captured when capturing)."""
-    drv = driver()
-    _driver_call("cuStreamWaitValue32", stream, ptr, value, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
-
-
-def write_value32(stream: int, ptr: int, value: int) -> None:
-    """``cuStreamWriteValue32``: ``stream`` writes ``value`` to the 32-bit word at ``ptr`` once the
-    work before it is done (captured when capturing)."""
-    drv = driver()
-    _driver_call("cuStreamWriteValue32", stream, ptr, value, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-
-
-def kernel_time_limit(device: int) -> bool:
-    """Whether kernels on ``device`` have a run-time limit (a display watchdog:
-    ``cudaDevAttrKernelExecTimeout``)."""
-    rt = runtime()
-    return bool(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrKernelExecTimeout, device)))
-
-
-def compile_cubin(source: str, name: str, arch: str, *options: str) -> bytes:
-    """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``),
-    with NVRTC ``options``; raises ``RuntimeError`` with NVRTC's log when it fails."""
-    from cuda.bindings import nvrtc
-
-    def ok(result: Any) -> Any:
-        err, *rest = result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC: {err!r}")
-        return rest[0] if rest else None
-
-    program = ok(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
-    try:
-        flags = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
-        err, = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
-            ok(nvrtc.nvrtcGetProgramLog(program, log))
-            raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {log.decode(errors='replace').strip()}")
-        image = b" " * ok(nvrtc.nvrtcGetCUBINSize(program))
-        ok(nvrtc.nvrtcGetCUBIN(program, image))
-        return image
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-
-
-def load_function(image: bytes, name: str) -> Any:
-    """Load ``image`` (a cubin) into the current context and return its kernel ``name``
-    (``cuModuleLoadData``, ``cuModuleGetFunction``). The module is never unloaded: graphs
-    captured with the kernel launch it for as long as they live."""
-    module = _driver_call("cuModuleLoadData", image)
-    return _driver_call("cuModuleGetFunction", module, name.encode())
-
-
-def launch_kernel(function: Any, threads: int, stream: int, args: tuple[int, ...]) -> None:
-    """``cuLaunchKernel`` of ``function`` as one block of ``threads`` on ``stream`` (captured when
-    capturing), with 64-bit arguments ``args`` (addresses, sizes)."""
-    values = [ctypes.c_uint64(a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    _driver_call("cuLaunchKernel", function, 1, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(params), 0)
-
-
 def copy_device_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """``cudaMemcpyAsync`` of ``nbytes`` between device addresses on ``stream`` (a few us less
-    host time than ``Tensor.copy_``, for the runner's per-call input copies)."""
+    """``cudaMemcpyAsync`` of ``nbytes`` between device addresses on ``stream`` (less host time
+    than ``Tensor.copy_``, for the runner's per-call input copies)."""
     rt = runtime()
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream))
 

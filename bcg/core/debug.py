@@ -1,11 +1,11 @@
 """Debugging aids used at replay: guards and poison.
 
-*Guards* (``bcg.capture(..., guards=True)`` or ``BCG_GUARDS=1``): before each
+*Guards* (``bcg.capture(..., debug=bcg.Debug(guards=True))`` or ``BCG_GUARDS=1``): before each
 replay, every tensor a breakpoint receives and every declared static input
 must still have its captured address, shape, stride and dtype; a violation
 raises ``GuardError`` naming the tensor.
 
-*Poison* (``BCG_POISON=1`` at capture, or ``poison=True``): before each
+*Poison* (``BCG_POISON=1`` at capture, or ``bcg.Debug(poison=True)``): before each
 replay, the free blocks of the graph's private pool are filled with 0xFF bytes
 (NaN in every float format) and the pool-resident floating-point breakpoint
 arguments and bridges it holds with NaN, so a read of memory nothing wrote during
@@ -19,14 +19,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
-from bcg.errors import ReplayError
+from bcg.core.env import env_flag
 from bcg.core.pool import PoolHandle, poison_free_pool_memory
+from bcg.errors import GuardError
 
 
-class GuardError(ReplayError):
-    """A tensor the graph captured no longer has its captured address or layout."""
+@dataclass(frozen=True)
+class Debug:
+    """Debugging aids a graph applies before every replay (slow: for finding bugs, not serving).
+
+    Arguments:
+        guards: every static input (``make_graph``'s) and every tensor a
+            breakpoint receives must keep its captured address, shape, stride
+            and dtype; a violation raises :class:`bcg.errors.GuardError` naming it.
+        poison: fill the pool's free blocks, and the pool-resident breakpoint
+            arguments and bridges (which every replay must rewrite before
+            reading), with NaN: a read of memory nothing wrote shows up as NaN.
+
+    ``bcg.capture(..., debug=None)`` (the default) reads ``BCG_GUARDS`` and
+    ``BCG_POISON`` from the environment.
+    """
+
+    guards: bool = False
+    poison: bool = False
+
+    @classmethod
+    def from_env(cls) -> Debug:
+        return cls(guards=env_flag("BCG_GUARDS"), poison=env_flag("BCG_POISON"))
 
 
 @dataclass(frozen=True)
@@ -91,4 +112,4 @@ class Poison:
         return poison_free_pool_memory(self.pool, self.device)
 
 
-__all__ = ["GuardError", "Guards", "Poison"]
+__all__ = ["Debug", "Guards", "Poison"]

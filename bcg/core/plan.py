@@ -1,5 +1,5 @@
 """The replay plan: an explicit list of steps, segment, breakpoint, segment, ...; and
-:class:`GraphParts`, everything a capture hands to the graph that replays it.
+:class:`Recording`, everything one capture hands to the graph that replays it.
 
 Each step exposes ``launch``, a zero-argument callable that performs it on the
 current stream. The plan holds strong references to everything a replay
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
 from bcg.core import cudart
-from bcg.core.cudart import stream_readers
+from bcg.core.torch_internals import stream_readers
 from bcg.core.breakpoint import BreakpointSpec
 from bcg.core.bridge import BridgeSet
 from bcg.core.process import on_release
@@ -30,9 +30,7 @@ log = logging.getLogger("bcg")
 if TYPE_CHECKING:
     from bcg.core.debug import Guards, Poison
     from bcg.core.pool import PoolHandle, PoolLease
-    from bcg.staged.staging import Stager
     from bcg.core.storages import HeldStorages
-    from bcg.keyed.variants import StepVariants, VariantPolicy
 
 
 @dataclass(eq=False)
@@ -46,14 +44,14 @@ class SegmentStep:
     #: the segment drew random numbers when it ran at capture (torch replays it); False
     #: for a last segment only uploaded (``bcg.capture(compute_outputs=False)``)
     uses_rng: bool = False
-    #: nodes recorded inside ``bcg.switchable(label)`` blocks, per label
+    #: nodes recorded inside ``bcg.core.session.switchable(label)`` blocks, per label
     switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     #: the node groups replays skip now (see :meth:`skip`)
     skipped: frozenset[str] = frozenset()
     #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.core.trim`)
     trimmed: dict[frozenset[str], int] = field(default_factory=dict, repr=False)
     #: why this segment skips groups by disabling their nodes (RNG, a refused trimmed build, or a
-    #: breakable form: see ``BreakableGraph.set_fallback``); None: it trims
+    #: breakable form: see ``BreakableGraph.add_form``); None: it trims
     in_place: str | None = None
     _free: Any = field(default=None, init=False, repr=False)
 
@@ -83,7 +81,7 @@ class SegmentStep:
         The segment replays an executable without their nodes, built (and
         uploaded on ``stream``) the first time a set of groups is skipped and
         kept until :meth:`release`. A segment torch replays (RNG), one of a
-        fallback (``BreakableGraph.set_fallback``), or one whose build CUDA
+        breakable form (``BreakableGraph.add_form``), or one whose build CUDA
         refused (logged), disables the nodes in its own executable instead
         (``cudaGraphNodeSetEnabled``: empty nodes). Executors read
         :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
@@ -161,8 +159,9 @@ class BreakpointStep:
     kwargs: dict[str, Any]
     bridges: BridgeSet | None = None
     index: int = 0
-    #: a keyed breakpoint's variants (see :mod:`bcg.keyed.variants`): replays dispatch through them
-    variants: StepVariants | None = field(default=None, repr=False)
+    #: a keyed breakpoint's variants (a :class:`bcg.keyed.variants.StepVariants`): replays
+    #: dispatch through its ``run``
+    variants: Any = field(default=None, repr=False)
     _run: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
@@ -235,19 +234,17 @@ def breakpoint_tensors(plan: Sequence[Step]) -> list[torch.Tensor]:
 
 
 @dataclass
-class GraphParts:
-    """What a capture (or an eager-mode recording) hands to :meth:`BreakableGraph.install`.
+class Recording:
+    """What one capture (or an eager-mode recording) produced: one form of a graph.
 
     ``plan``: the steps in stream order. ``lease``: the graph's share of ``pool``
-    (released by ``reset()``). ``rerun``: eager mode's replay (re-runs the
+    (released with the graph). ``rerun``: eager mode's replay (re-runs the
     function). ``guards``/``poison``: the debugging aids checked before each
-    replay. ``held_bytes``: pool bytes the plan keeps alive itself.
-    ``stager``: the staged breakpoints captured inline (asked and prepared
-    before each launch). ``variant_policy``: the bounds of the keyed
-    breakpoints' variants (None: the defaults). ``unswitchable``: labels of
-    ``switchable`` blocks that cannot be disabled (their nodes always run).
-    ``held``: the storages outside the pool that the segments read (see
-    :mod:`bcg.core.storages`).
+    replay. ``stager``: the staged breakpoints captured inline, which a replay
+    asks and prepares before launching (a :class:`bcg.staged.staging.Stager`;
+    None or empty: none). ``unswitchable``: labels of ``switchable`` blocks
+    that cannot be disabled (their nodes always run). ``held``: the storages
+    outside the pool that the segments read (see :mod:`bcg.core.storages`).
     """
 
     plan: Sequence[Step]
@@ -259,9 +256,7 @@ class GraphParts:
     rerun: Callable[[], None] | None = None
     guards: Guards | None = None
     poison: Poison | None = None
-    held_bytes: int = 0
-    stager: Stager | None = None
-    variant_policy: VariantPolicy | None = None
+    stager: Any = None
     unswitchable: frozenset[str] = frozenset()
     held: HeldStorages | None = None
 

@@ -5,14 +5,12 @@ caching allocator (shared between graphs with ``pool=``). Everything here reads
 the allocator's own bookkeeping (``torch.cuda.memory_snapshot()``): one
 walker, :func:`segments`, answers every question about a pool.
 
-Who keeps the memory a replay touches alive (``ownership``):
-
-``ownership="pool"`` (default): tensors that live in the graph's private pool
-(breakpoint arguments, bridges) are held through non-owning aliases; the pool
-itself (kept alive by the graph's segments) owns them. Later segments, and
-later captures into the same pool, reuse that memory as soon as the captured
-code drops its last reference, exactly as ``torch.cuda.graph`` reuses its
-temporaries within one capture. Why this is safe:
+Who keeps the memory a replay touches alive: tensors that live in the graph's
+private pool (breakpoint arguments, bridges) are held through non-owning
+aliases; the pool itself (kept alive by the graph's segments) owns them. Later
+segments, and later captures into the same pool, reuse that memory as soon as
+the captured code drops its last reference, exactly as ``torch.cuda.graph``
+reuses its temporaries within one capture. Why this is safe:
 
 * A replay performs the same reads and writes in the same order as the
   capture. At capture, memory is handed out again only after everything that
@@ -27,14 +25,10 @@ temporaries within one capture. Why this is safe:
 * What the caller still references (outputs, tensors kept in Python) is
   never reused: aliasing replaces only the graph's own references.
 * Tensors outside the pool (static inputs, caches, weights, eager results) are
-  always held strongly.
+  held strongly (see :mod:`bcg.core.storages`).
 
-``ownership="graph"``: the graph holds a strong reference to every tensor a
-breakpoint reads or returns, so nothing it recorded is reused, by its own later
-segments or by anybody else, while the graph lives. The pool then grows with
-the number of breakpoints. For debugging: with ``poison=True`` (NaN in free
-pool memory before every replay) a difference between the two ownerships shows
-that something read memory it did not own.
+With ``bcg.Debug(poison=True)`` (NaN in free pool memory before every replay)
+a read of memory that nothing wrote in this replay shows up as NaN.
 """
 
 from __future__ import annotations
@@ -43,16 +37,13 @@ import bisect
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-
 from bcg.core.process import on_release
+from bcg.core.torch_internals import begin_allocate_to_pool, end_allocate_to_pool, pytree, storage_at
 
 PoolHandle = tuple[int, int]
-Ownership = Literal["graph", "pool"]
-OWNERSHIPS = ("graph", "pool")
 
 
 def graph_pool_handle() -> PoolHandle:
@@ -121,15 +112,11 @@ class PoolLease:
     @contextlib.contextmanager
     def allocating(self) -> Iterator[None]:
         """Route this thread's CUDA allocations to the pool inside the block (outside capture)."""
-        # Private calls: the public route, torch.cuda.use_mem_pool, takes a torch.cuda.MemPool,
-        # not a pool id (graph_pool_handle(), CUDAGraph.pool()); and a MemPool empties the
-        # allocator's cache when collected, which aborts the process if any capture is underway.
-        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device, self.pool)
+        begin_allocate_to_pool(self.device, self.pool)
         try:
             yield
         finally:
-            torch._C._cuda_endAllocateToPool(self.device, self.pool)
-            torch._C._cuda_releasePool(self.device, self.pool)
+            end_allocate_to_pool(self.device, self.pool)
 
     def release(self) -> None:
         """Drop the graph's counts on the pool (idempotent; deferred while a capture runs)."""
@@ -181,7 +168,7 @@ class SegmentMap:
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``t``'s memory that does not keep it alive."""
     storage = t.untyped_storage()
-    alias_storage = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    alias_storage = storage_at(storage.data_ptr(), t.device, storage.nbytes())
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
         alias_storage, t.storage_offset(), t.shape, t.stride()
     )
@@ -235,7 +222,7 @@ def poison_free_pool_memory(pool: PoolHandle, device: int) -> int:
     poisoned = 0
     for address, size, in_use in blocks(device, pool):
         if not in_use and size > 0:
-            storage = torch._C._construct_storage_from_data_pointer(address, torch.device("cuda", device), size)
+            storage = storage_at(address, torch.device("cuda", device), size)
             torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (size,), (1,)).fill_(0xFF)
             poisoned += size
     return poisoned

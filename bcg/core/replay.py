@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from bcg.core import native
-from bcg.core.cudart import stream_readers
+from bcg.core.torch_internals import stream_readers
 from bcg.errors import ReplayError, add_note
 from bcg.core.plan import BreakpointStep, SegmentStep, Step
 

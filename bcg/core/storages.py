@@ -14,7 +14,7 @@ references to the tensor objects through which the capture reached each
 storage (the operation's argument and its ``_base``; in a ``torch.compile``'d
 region, the region's inputs that Inductor's generated code views). When all of them are gone, the storage becomes a
 *suspect*; the next replay asks its reference count whether anything besides
-the graph still holds it, and raises :class:`bcg.StaleTensorError` if not.
+the graph still holds it, and raises :class:`bcg.errors.StaleTensorError` if not.
 A replay with no suspect pays one list check.
 
 What it cannot see: memory a kernel reaches without an ATen operation taking
@@ -38,10 +38,8 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from bcg.core.torch_internals import TorchDispatchMode, storage_use_count, view_base
 from bcg.errors import StaleTensorError
-from bcg.core.torch_internals import storage_use_count
 
 log = logging.getLogger("bcg")
 
@@ -83,7 +81,7 @@ class _Storage:
     def watch(self, t: torch.Tensor) -> None:
         if len(self._refs) < _MAX_WATCHERS and id(t) not in self._refs:
             self._refs[id(t)] = weakref.ref(t)
-        base = t._base
+        base = view_base(t)
         if base is not None and len(self._refs) < _MAX_WATCHERS and id(base) not in self._refs:
             self._refs[id(base)] = weakref.ref(base)
 
@@ -162,7 +160,7 @@ class HeldStorages:
 
 
 def check_alarm(alarm: list[tuple[HeldStorages, _Storage]]) -> None:
-    """Raise :class:`bcg.StaleTensorError` for a posted storage nothing but bcg holds any more.
+    """Raise :class:`bcg.errors.StaleTensorError` for a posted storage nothing but bcg holds any more.
 
     Storages still held elsewhere stay posted (checked again at the next replay).
     """

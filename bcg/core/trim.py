@@ -5,9 +5,9 @@ executable, one built from a copy of its graph with the label's node group
 removed. Each removed node's predecessors are joined to its successors, so
 every order the capture recorded between the nodes that stay still holds. A
 trimmed executable launches no node for the group, where a disabled node
-(``cudaGraphNodeSetEnabled``) still runs as an empty one: about 0.7 us of GPU
-time each on an H200 (``benchmarks/switch_cost.py``). Segments that use RNG
-and a fallback's segments disable nodes instead (see ``SegmentStep.skip``).
+(``cudaGraphNodeSetEnabled``) still runs as an empty one, which costs GPU time
+(benchmarks/results/HISTORY.md). Segments that use RNG and the breakable
+form's segments disable nodes instead (see ``SegmentStep.skip``).
 """
 
 from __future__ import annotations

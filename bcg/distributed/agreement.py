@@ -54,7 +54,7 @@ class RankAgreement:
             of replay locally, with no exchange before the launch, and checks
             after the launch that the ranks chose alike (:meth:`expect_same`).
             Default ``False``: the ranks agree before every launch (one or two
-            all-reduces on the CPU group per call, some 0.1 to 1 ms).
+            all-reduces on the CPU group per call; see benchmarks/README.md).
 
     .. warning::
         Every method is a collective: all ranks of the group must call it, in
@@ -74,7 +74,7 @@ class RankAgreement:
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "bcg.RankAgreement needs an initialized torch.distributed process group: call "
+                "bcg.distributed.RankAgreement needs an initialized torch.distributed process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
             )
         if group is None:

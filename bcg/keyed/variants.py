@@ -57,16 +57,16 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from bcg.core.torch_internals import TorchDispatchMode
 
 from bcg.core import cudart
 from bcg.core.breakpoint import BreakpointSpec, live, tensor_leaves
-from bcg.capture import capture_call
+from bcg.core.session import capture_call
 from bcg.errors import VerificationError
 from bcg.keyed.lru import Lru
 from bcg.core.plan import BreakpointStep, SegmentStep, Step, breakpoint_tensors
 from bcg.core.pool import PoolHandle, graph_pool_handle
-from bcg.core.cudart import stream_readers
+from bcg.core.torch_internals import stream_readers
 from bcg.core.process import on_release, release_when_safe
 from bcg.keyed.stitch import StitchedCache
 from bcg.core.storages import HeldStorages
@@ -97,7 +97,7 @@ class VariantPolicy:
             ``stats()`` says so.
         audit_every: every Nth replay runs each keyed breakpoint that hits both
             ways, variant then eager, and compares; a difference raises
-            :class:`bcg.VerificationError` naming the breakpoint and key (0: never).
+            :class:`bcg.errors.VerificationError` naming the breakpoint and key (0: never).
         stitch: launch a replay whose breakpoints all hit as one stitched graph.
 
     The bounds hold per graph: a ``GraphRunner``'s buckets, and a staged

@@ -8,6 +8,7 @@
 How a call runs: ``docs/runner.md``.
 """
 
+from bcg.runner.buckets import default_buckets, geometric_buckets, pick_bucket, stepped_buckets
 from bcg.runner.graph_runner import FALLBACK_REASONS, GraphRunner
 
-__all__ = ["FALLBACK_REASONS", "GraphRunner"]
+__all__ = ["FALLBACK_REASONS", "GraphRunner", "default_buckets", "geometric_buckets", "pick_bucket", "stepped_buckets"]

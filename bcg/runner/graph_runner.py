@@ -16,18 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from bcg.core.torch_internals import pytree
 
+from bcg.capture import capture_into
 from bcg.core.breakpoint import UNSET, live_scope, recording
-from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket
-from bcg.capture import capture, capture_fallback
-from bcg.distributed.agreement import CaptureVote, RankAgreement
-from bcg.keyed.variants import VariantPolicy
-from bcg.errors import BcgError, CaptureError, ReplayError, add_note
-from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.core.process import capture_lock, capture_stream
-from bcg.core.cudart import stream_readers
+from bcg.core.session import CaptureOptions
+from bcg.core.torch_internals import stream_readers
+from bcg.distributed.agreement import CaptureVote, RankAgreement
+from bcg.errors import BcgError, CaptureError, ReplayError, add_note
+from bcg.graph import BreakableGraph, copy_outputs_into
+from bcg.keyed.variants import VariantPolicy
+from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
@@ -39,19 +40,13 @@ log = logging.getLogger("bcg")
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
 
 
-#: A call's route in :meth:`bcg.RankAgreement.expect_same` checks (the key names the codes, for
-#: its error message): 0 the bucket's graph, k + 1 its staged tier k, -1 its breakable form,
+#: A call's route in :meth:`bcg.distributed.RankAgreement.expect_same` checks (the key names the
+#: codes, for its error message): k >= 0 the bucket graph's form k (:meth:`BreakableGraph.choose`),
 #: -2 - i eager for ``FALLBACK_REASONS[i]``, and ``_RAISED``.
 _RAISED = -100
-_ROUTE = "route (0 graph, k tier k-1, -1 breakable, {}, {} raised)".format(
+_ROUTE = "route (k >= 0 form k, {}, {} raised)".format(
     ", ".join(f"{-2 - i} {reason}" for i, reason in enumerate(FALLBACK_REASONS)), _RAISED
 )
-
-
-def _keyed(graph: BreakableGraph) -> bool:
-    """Whether the graph or its breakable form has keyed breakpoints (variants: per-rank state)."""
-    fallback = graph.fallback
-    return graph.variants is not None or (fallback is not None and fallback.variants is not None)
 
 
 _MODES = ("graph", "eager")
@@ -73,16 +68,12 @@ class _Bucket:
     capture_s: float = 0.0
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
-    tiers: list[BreakableGraph] = field(default_factory=list)  # staged tiers, tried first (StagedTiers)
 
     def free_graphs(self) -> None:
-        """Reset and drop the bucket's graph and its staged tiers (their pool memory returns), and
-        forget the outputs and output views that lived there."""
+        """Reset and drop the bucket's graph (its pool memory returns), and forget the outputs and
+        output views that lived there."""
         self.leaves = None
         self.sliced.clear()
-        for tier in self.tiers:
-            tier.reset()
-        self.tiers = []
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
@@ -101,7 +92,7 @@ class GraphRunner:
     which the graphs read in place: calls must pass that same tensor).
     Non-tensor inputs are frozen: calls must pass values equal to the example's.
 
-    ``buckets``: sizes to capture (default :func:`bcg.default_buckets`).
+    ``buckets``: sizes to capture (default :func:`bcg.runner.default_buckets`).
     ``capture_live``: what :func:`bcg.live` returns during each bucket's
     warm-up and capture; a callable is called with the size. Give a callable
     whenever live metadata depends on the size (request lengths do): the
@@ -120,7 +111,7 @@ class GraphRunner:
     (``other.pool()``). ``mode``: ``"graph"`` or ``"eager"``. ``progress``:
     show a tqdm bar while capturing. ``variants``: a :class:`bcg.VariantPolicy`
     for keyed breakpoints (each bucket's graph keeps its own variants).
-    ``ranks``: a :class:`bcg.RankAgreement` (multi-GPU): the ranks vote through
+    ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
     each call picks the bucket of the largest ``T`` of all ranks and one form
     of replay for all (see :meth:`__call__`), or, with
@@ -373,8 +364,8 @@ class GraphRunner:
             return
         del out
         graph = BreakableGraph()
-        out = self._capture_graph(graph, n, self._pool, self._live_for(n))
         bucket.graph = graph
+        out = self._capture_graph(graph, n, self._live_for(n))
         # The static outputs live in the pool; hold them through non-owning aliases so the
         # buckets captured next reuse their memory (outputs are valid until the next call).
         assert self._pool is not None
@@ -382,73 +373,64 @@ class GraphRunner:
         graph.outputs = out
         if graph.staged:
             # The breakable form, for calls whose metadata does not fit, captured while the
-            # inline form's outputs are held; graph.replay copies its outputs into those.
-            static, sanitizer = self._setup()
-            views = static.load_example(n)  # before the capture: its copies must not be captured
-            capture_fallback(
-                graph, lambda: self._padded_forward(n, views), membership.release,
-                stream=self._stream, capture_error_mode=self._capture_error_mode, live=self._live_for(n),
-                ownership="pool", after_breakpoint=sanitizer.hook(n), variants=self._variants,
-                barrier=self._barrier, compute_outputs=self._draws_rng,
-            )
+            # inline form's outputs are held; a replay of it copies its outputs into those.
+            self._capture_graph(graph, n, self._live_for(n), form="breakable", release=membership.release)
             tier_lives = self._lives_for(n)[:-1]
-            if tier_lives and self._ranks is not None and not self._ranks.same_inputs:
-                log.info("bcg.GraphRunner(%s): bucket %d: no staged tiers with ranks= unless "
-                         "RankAgreement(same_inputs=True) (every rank must replay the same form)", self.name, n)
-                tier_lives = []
             if tier_lives and self._barrier is not None:
                 # Every rank has the bucket's graph and breakable form before any tier's eager
                 # warm-up (with collectives) runs: a rank that failed after its last vote cast
                 # False, and the others learn it here, not inside a tier's capture.
                 self._barrier()
             for live in tier_lives:
-                tier = self._capture_tier(n, out, live, graph.staged)
-                if tier is not None:
-                    bucket.tiers.append(tier)
+                self._capture_tier(graph, n, out, live)
         graph.outputs = membership.release(out)
         if self._sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
             # rather than at the first such call.
-            for g in (graph, *bucket.tiers):
-                g.set_enabled(PADDING, False)
-                g.set_enabled(PADDING, True)
+            graph.set_enabled(PADDING, False)
+            graph.set_enabled(PADDING, True)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
         bucket.leaves = leaves
         bucket.captured = True
 
-    def _capture_graph(self, graph: BreakableGraph, n: int, pool: PoolHandle | None, live: Any,
-                       into: Any = None) -> Any:
-        """Capture the padded forward at size ``n`` into ``graph`` with ``live``; return its outputs
-        (``into``: copied there at the graph's end, and ``into`` returned)."""
+    def _capture_graph(self, graph: BreakableGraph, n: int, live: Any, form: str = "main", into: Any = None,
+                       pool: PoolHandle | None = None, agree: Callable[[], bool] | None = None,
+                       release: Callable[[Any], Any] | None = None) -> Any:
+        """Capture the padded forward at size ``n`` into ``graph`` (its ``form``, see
+        :func:`bcg.capture.capture_into`) with ``live``; return its outputs (``into``: copied
+        there at the graph's end, and ``into`` returned)."""
         static, sanitizer = self._setup()
-        views = static.load_example(n)
+        views = static.load_example(n)  # before the capture: its copies must not be captured
         sanitizer.set_rows(n)
-        with torch.no_grad(), capture(
-            graph,
-            pool=pool,
+        options = CaptureOptions(
+            pool=pool if pool is not None else self._pool,
             stream=self._stream,
             capture_error_mode=self._capture_error_mode,
             live=live,
-            ownership="pool",
             after_breakpoint=sanitizer.hook(n),
-            variants=self._variants,
             barrier=self._barrier,
             # Calls replay before reading: the last segment need not run at capture, unless the
             # forward draws random numbers (learnt only from a run: see _run_recorded).
             compute_outputs=self._draws_rng,
-        ):
+        )
+
+        def forward() -> Any:
             out = self._padded_forward(n, views)
             if into is not None:
                 copy_outputs_into(into, out, "a staged tier")
-                out = into
-        return out
+                return into
+            return out
 
-    def _capture_tier(self, n: int, outputs: Any, live: Any, staged: tuple[str, ...]) -> BreakableGraph | None:
-        """A staged tier of bucket ``n``: its forward warmed up, then captured, with ``live``,
-        ending with a copy of its outputs into ``outputs`` (the bucket's, held meanwhile);
-        None (logged) when a staged breakpoint did not run inline, or a step failed. With
-        ranks, the ranks vote through it as through a bucket's capture: all keep it, or none."""
-        graph = BreakableGraph()
+        with torch.no_grad():
+            return capture_into(graph, forward, options, variants=self._variants, form=form, agree=agree,
+                                release=release)
+
+    def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any) -> None:
+        """A staged tier of bucket ``n``'s graph: its forward warmed up, then captured with
+        ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, held
+        meanwhile); skipped (logged) when a staged breakpoint did not run inline, or a step
+        failed. With ranks, the ranks vote through it as through a bucket's capture: all keep
+        it, or none."""
         vote = CaptureVote(self._ranks) if self._ranks is not None else None
         bucket_barrier, self._barrier = self._barrier, (vote.barrier if vote is not None else None)
         try:
@@ -457,22 +439,15 @@ class GraphRunner:
             sanitizer.set_rows(n)
             with self._on_capture_stream(), recording(StagedWarmup(), live), torch.no_grad():
                 self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
-            self._capture_graph(graph, n, self._pool, live, into=outputs)
-            if set(graph.staged) != set(staged):
-                raise CaptureError("it did not capture every staged breakpoint inline (its live metadata does "
-                                   "not fit its own bounds)")
-            if vote is not None and not vote.finish():
-                raise CaptureError("another rank failed to capture it")
-        except Exception as exc:  # the bucket's own graph is captured: it serves the calls instead
+            self._capture_graph(graph, n, live, form="tier", into=outputs,
+                                agree=vote.finish if vote is not None else None)
+        except Exception as exc:  # the bucket's own forms serve the calls instead
             if vote is not None:
                 vote.fail()
             log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",
                         self.name, n, type(exc).__name__, exc)
-            graph.reset()
-            return None
         finally:
             self._barrier = bucket_barrier
-        return graph
 
     def _finish_bucket(self, bucket: _Bucket) -> None:
         """After all captures: how to slice the bucket's outputs."""
@@ -524,7 +499,7 @@ class GraphRunner:
                 self._run_recorded(n)
             pool = graph_pool_handle()
             graph = BreakableGraph()
-            out = self._capture_graph(graph, n, pool, self._live_for(n))
+            out = self._capture_graph(graph, n, self._live_for(n), pool=pool)
             try:
                 size = pool_bytes(pool, self._device.index)
             finally:
@@ -557,7 +532,7 @@ class GraphRunner:
         on the CPU group per call. With ``RankAgreement(same_inputs=True)`` the
         call chooses locally (keyed graphs still agree on stitching) and, after
         the launch, checks in the background that every rank chose alike
-        (:meth:`bcg.RankAgreement.expect_same`; a difference raises
+        (:meth:`bcg.distributed.RankAgreement.expect_same`; a difference raises
         :class:`bcg.ReplayError` at the next call).
         """
         with self._lock.lock:
@@ -624,13 +599,7 @@ class GraphRunner:
         static, sanitizer = self._static, self._sanitizer
         assert static is not None and sanitizer is not None
         graph = chosen.graph
-        fits_checked = False
-        route = 0  # for the check (see _RAISED); tiers exist only without agreement before every launch
-        breakable = False
-        for k, tier in enumerate(chosen.tiers):  # the first staged tier that fits
-            if tier.would_fall_back(live) is None:
-                graph, fits_checked, route = tier, True, k + 1
-                break
+        route = 0  # the form replayed (see _ROUTE)
         stream: int | None = None
         if graph is not None:
             device = _current_device()
@@ -651,17 +620,15 @@ class GraphRunner:
             if self._sanitize:
                 graph.set_enabled(PADDING, T < n)  # nothing padded: skip the zeroing nodes
             if ranks is None:
-                graph.replay(live, fits_checked=fits_checked)
-            elif agree is None:  # same inputs: the form chosen locally (a misfit asks fits again, for its reason)
-                breakable = not fits_checked and graph.would_fall_back(live) is not None
-                # keyed: stitch only where every rank would (variant caches are per-rank state)
-                stitch = not _keyed(graph) or ranks.all(graph.would_stitch(live, breakable=breakable))
-                graph.replay(live, breakable=breakable, stitch=stitch, fits_checked=not breakable)
+                graph.replay(live)
             else:
-                breakable, stitch = self._agree_on_replay(graph, live, ranks)
-                graph.replay(live, breakable=breakable, stitch=stitch)
-            if breakable:
-                route = -1
+                route = graph.choose(live)
+                stitch = True
+                if agree is not None:
+                    route, stitch = self._agree_on_replay(graph, route, live, agree)
+                elif graph.keyed:  # same inputs: stitch only where every rank would (variant caches
+                    stitch = ranks.all(graph.would_stitch(route, live))  # are per-rank state)
+                graph.replay_form(route, live, stitch=stitch)
             leaves = chosen.leaves
         else:
             hook = sanitizer.hook(n)
@@ -678,24 +645,20 @@ class GraphRunner:
             copy = not self._lock.views_safe()
         return self._slice(chosen, leaves, T, copy, keep=graph is not None)
 
-    def _agree_on_replay(self, graph: BreakableGraph, live: Any, ranks: RankAgreement) -> tuple[bool, bool]:
-        """``(breakable, stitch)`` for this call: every rank runs the same form, stitched or not.
-
-        One all-reduce when the graph is staged or keyed; else the local choice. Stitching
-        is allowed only where every rank would stitch (a rank whose first build of an
+    def _agree_on_replay(self, graph: BreakableGraph, form: int, live: Any, ranks: RankAgreement) -> tuple[int, bool]:
+        """``(form, stitch)`` for this call, the same on every rank: the most general form any rank
+        chose (forms are tried in order, so a later one takes whatever an earlier one does),
+        stitched only where every rank would stitch it (a rank whose first build of an
         executable the driver refuses still replays piecewise: the same collectives in the
-        same order).
-        """
-        if not (graph.staged or _keyed(graph)):
-            return False, True
-        misfit = graph.would_fall_back(live) is not None
-        no_inline_stitch = not graph.would_stitch(live, breakable=False)
-        no_fallback_stitch = not graph.would_stitch(live, breakable=True)
-        misfit_any, no_inline_any, no_fallback_any = ranks.max(
-            [int(misfit), int(no_inline_stitch), int(no_fallback_stitch)]
-        )
-        breakable = bool(misfit_any)
-        return breakable, not (no_fallback_any if breakable else no_inline_any)
+        same order). One all-reduce when the graph has several forms or keyed breakpoints."""
+        forms = len(graph.forms)
+        keyed = graph.keyed
+        if forms == 1 and not keyed:
+            return form, True
+        values = [form] + ([int(not graph.would_stitch(k, live)) for k in range(forms)] if keyed else [])
+        agreed = ranks.max(values)
+        form = agreed[0]
+        return form, not (keyed and agreed[1 + form])
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[GraphRunner]:
@@ -783,13 +746,6 @@ class GraphRunner:
             raise KeyError(f"no captured graph for bucket {bucket}")
         return b.graph
 
-    def tiers(self, bucket: int) -> list[BreakableGraph]:
-        """The staged tiers of ``bucket``, in the order calls try them (see :class:`bcg.StagedTiers`)."""
-        b = self._buckets.get(bucket)
-        if b is None:
-            raise KeyError(f"{bucket} is not a bucket of the ladder {self._buckets_list}")
-        return list(b.tiers)
-
     def input_buffers(self, T: int) -> tuple[Any, ...]:
         """Inputs for a call with ``T`` rows that the call does not copy: the first ``T`` rows of
         the static input buffers of ``T``'s bucket (by-reference and value inputs as given).
@@ -859,33 +815,29 @@ class GraphRunner:
         ``capture_s`` ({bucket: seconds, warm-up included}), ``capture_total_s``,
         ``pool_bytes`` (the shared pool: every bucket, and any other runner
         sharing it), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
-        :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls}),
-        ``replays`` ({bucket: calls}), ``calls``, ``graph_calls``,
+        :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls run
+        eagerly}), ``replays`` ({bucket: calls}), ``calls``, ``graph_calls``,
         ``padding_ratio`` (padded rows / bucket rows over graph calls),
         ``captured_buckets``, ``failed_buckets``, ``mode``, ``buckets``;
         ``inline_replays`` (graph calls whose staged breakpoints ran inline),
         ``tier_replays`` (those of them that ran a staged tier, see
         :class:`bcg.StagedTiers`) and ``staged_fallbacks`` ({reason: graph
-        calls that ran the breakable form}); ``launched_first`` and
-        ``late_launches`` (inline replays that launched before ``prepare``, and
-        those of them that found the GPU already at a gate: see :mod:`bcg.staged.staging`);
-        ``variants`` (keyed breakpoints, over every bucket's graphs: ``hits`` and
-        ``misses`` (step calls), ``hit_rate``, ``captures``, ``stitched_replays``,
-        ``evictions``, ``cache_bytes`` (variant pools and stitched executables)
-        and ``buckets`` ({bucket: :meth:`bcg.keyed.variants.VariantCache.stats` of its
-        graph, and ``fallback`` of its breakable form}); None without keyed breakpoints).
+        calls that ran the breakable form}); ``variants`` (keyed breakpoints,
+        over every bucket's graph: ``hits`` and ``misses`` (step calls),
+        ``hit_rate``, ``captures``, ``stitched_replays``, ``evictions``,
+        ``cache_bytes`` (variant pools and stitched executables) and
+        ``buckets`` ({bucket: {form: :meth:`bcg.keyed.variants.VariantCache.stats`}});
+        None without keyed breakpoints).
         """
         pool = self._pool_bytes()
         alone = self._largest_alone
-        graphs = [g for x in self._buckets.values() for g in (x.graph, *x.tiers) if g is not None]
-        staged = [g.staged_replays() for g in graphs]
-        orders = [g.launch_order() for g in graphs]
-        tier_replays = sum(t.staged_replays()[0] for x in self._buckets.values() for t in x.tiers)
+        staged = [st.staged for x in self._buckets.values() if x.graph is not None
+                  for st in (x.graph.stats(),) if st.staged is not None]
         graph_calls = sum(x.replays for x in self._buckets.values())
         padded_rows = sum(x.size * x.replays for x in self._buckets.values())
         staged_fallbacks: dict[str, int] = {}
-        for _, fallbacks in staged:
-            for reason, count in fallbacks.items():
+        for st in staged:
+            for reason, count in st.breakable_replays.items():
                 staged_fallbacks[reason] = staged_fallbacks.get(reason, 0) + count
         return {
             "mode": self._mode,
@@ -902,11 +854,9 @@ class GraphRunner:
             "replays": {b: x.replays for b, x in self._buckets.items()},
             "fallbacks": dict(self._fallbacks),
             "padding_ratio": 1 - self._real_rows / padded_rows if padded_rows else 0.0,
-            "inline_replays": sum(inline for inline, _ in staged),
-            "tier_replays": tier_replays,
+            "inline_replays": sum(st.inline_replays for st in staged),
+            "tier_replays": sum(sum(st.replays[:-1]) for st in staged),
             "staged_fallbacks": staged_fallbacks,
-            "launched_first": sum(first for first, _ in orders),
-            "late_launches": sum(late for _, late in orders),
             "variants": self._variant_stats(),
         }
 
@@ -914,16 +864,10 @@ class GraphRunner:
         per_bucket: dict[int, dict[str, Any]] = {}
         caches = []
         for b, x in self._buckets.items():
-            if x.graph is None:
-                continue
-            entry: dict[str, Any] = {}
-            tiers = [(f"tier{i}", t) for i, t in enumerate(x.tiers)]
-            for name, g in (("graph", x.graph), ("fallback", x.graph.fallback), *tiers):
-                if g is not None and g.variants is not None:
-                    entry[name] = g.variants.stats()
-                    caches.append(entry[name])
-            if entry:
-                per_bucket[b] = entry
+            keyed = x.graph.stats().keyed if x.graph is not None else None
+            if keyed:
+                per_bucket[b] = keyed
+                caches.extend(keyed.values())
         if not caches:
             return None
         totals = {"hits": 0, "misses": 0, "captures": 0}

@@ -9,7 +9,7 @@ and every other crossing tensor the run allocated (never weights, caches,
 static or by-reference inputs), along the dims that equal the bucket size and
 grow with it (a shape seen at another size).
 
-All of that zeroing is the :data:`PADDING` node group (``bcg.switchable``): a
+All of that zeroing is the :data:`PADDING` node group (``bcg.core.session.switchable``): a
 call whose ``T`` equals its bucket has no padded row, and the runner switches
 the group off for it (its segments replay executables without those nodes),
 and on again for the next call that pads.
@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.core import cudart
-from bcg.core.breakpoint import BreakpointSpec, crossing_tensors, tensor_leaves
+from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, crossing_tensors, tensor_leaves
 from bcg.core.bridge import argument_keys, in_place_position
-from bcg.capture import switchable
 from bcg.core.pool import blocks
+from bcg.core.session import switchable
+from bcg.core.torch_internals import TorchDispatchMode, has_internal_overlap
 from bcg.runner.inputs import InputSpec
-from bcg.staged.staging import NOT_INLINE, StagedWarmup
+from bcg.staged.staging import StagedWarmup
 
 log = logging.getLogger("bcg")
 
@@ -223,7 +223,7 @@ class PaddingSanitizer:
         """Make ``T`` the real row count the next run or replay masks against.
 
         With ``stream`` (a raw CUDA stream of the device): one ``cuMemsetD32Async``
-        there, about 4 us of host time less than ``fill_``; and none when ``T`` is
+        there, less host time than ``fill_``; and none when ``T`` is
         the value last written so (the runner orders each replay after the
         previous one, across streams too, so every reader is queued after it).
         """
@@ -287,7 +287,7 @@ class PaddingSanitizer:
                 break
         else:
             return ()
-        if torch._debug_has_internal_overlap(t) == 1:
+        if has_internal_overlap(t):
             return ()
         return dims
 

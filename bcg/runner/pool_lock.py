@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from bcg.core.pool import PoolHandle
-from bcg.core.cudart import stream_readers
+from bcg.core.torch_internals import stream_readers
 
 log = logging.getLogger("bcg")
 

@@ -34,11 +34,6 @@ Each runner bucket also keeps staged tiers (:class:`bcg.StagedTiers`) for fewer
 slots (``--slot-tiers``, default the powers of two from 2 below ``--slots``): a
 batch runs the first whose slots hold its requests, so it does not pay for
 empty slots. A batch of more requests than ``--slots`` runs the breakable form.
-Its ``prepare`` runs after the graph's launch, while the GPU runs the first
-layer's work before attention (``prepare_after_launch=True``); with
-``--no-prepare-after-launch``, before the launch. Under ``--tp`` the default is
-before the launch: on two H200s, a TP graph that reached its gate before the host
-opened it lost 60-180 us a call at T=128 (README, Multi-GPU).
 """
 
 from __future__ import annotations
@@ -58,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import bcg
+from bcg.core.torch_internals import fresh_inductor_cache, has_triton, maybe_mark_dynamic
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
 from bcg.bench.argtypes import nonnegative_int, positive_int
@@ -72,7 +68,7 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 ATTN = ("flash", "varlen", "loop", "unfused")
 REPEATS = ("fixed", "zipf", "never")  # how the specialized modes' length tuples repeat
-LADDER_MIN = 16  # bcg.default_buckets' smallest bucket
+LADDER_MIN = 16  # bcg.runner.default_buckets' smallest bucket
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
 
@@ -166,10 +162,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slots", type=positive_int, default=8, metavar="R",
                    help="request slots of the staged attention (modes bcg-staged*): a batch of more than R "
                    "requests replays the breakable form (default 8)")
-    g.add_argument("--prepare-after-launch", action=argparse.BooleanOptionalAction, default=None,
-                   help="the staged attention's prepare runs after the graph's launch, which waits for it at "
-                   "a captured gate (default on one GPU); --no-prepare-after-launch: before the launch "
-                   "(default under --tp)")
     g.add_argument("--slot-tiers", type=slot_tiers, default=None, metavar="K,...",
                    help="slot counts below R captured as staged tiers of each runner bucket "
                    "(bcg.StagedTiers): a batch of at most K requests replays the K-slot form "
@@ -260,13 +252,6 @@ def tiers_of(args: argparse.Namespace) -> list[int]:
     return list(tiers) if tiers is not None else default_slot_tiers(args.slots)
 
 
-def after_launch(args: argparse.Namespace) -> bool:
-    """Whether the staged attention's ``prepare`` runs after the launch (``--prepare-after-launch``,
-    else on one GPU only: under ``--tp`` a TP graph waiting at its gate lost more than it saved)."""
-    flag = getattr(args, "prepare_after_launch", None)
-    return bool(flag) if flag is not None else getattr(args, "tp", 1) == 1
-
-
 def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {
         "shape_preset": args.shape,
@@ -277,7 +262,6 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "attn": list(args.attn),
         "slots": args.slots,
         "slot_tiers": tiers_of(args),
-        "prepare_after_launch": after_launch(args),
         "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
     }
 
@@ -391,7 +375,7 @@ class Regions:
 
 def _tokens_dynamic(fn: Any, token_args: tuple[int, ...]) -> Any:
     """Call ``fn`` with dim 0 of the given arguments marked dynamic (no recompile per token count)."""
-    mark = torch._dynamo.maybe_mark_dynamic
+    mark = maybe_mark_dynamic
 
     def call(*args: Any) -> Any:
         for i in token_args:
@@ -479,24 +463,15 @@ class LlamaModel:
         """The regions compiled by Inductor (made once; ``fresh``: a new compile from scratch)."""
         if fresh or self._compiled is None:
             if fresh:
-                torch._dynamo.reset()
+                torch.compiler.reset()
             self._compiled = self.regions.compiled()
         return self._compiled
 
-    def staged_attention(self, slots: int, after_launch: bool = True, gate: bool = True) -> StagedAttention:
-        """The staged attentions over ``slots`` request slots on this model's device (made once
-        per ``slots``, ``after_launch`` and ``gate``; ``gate=False``: its buffer is copied by a
-        plain captured copy, never behind the gated-copy kernel: a knob measured, see modes)."""
-        key = (slots, after_launch, gate)
-        if key not in self._staged:
-            if gate:
-                self._staged[key] = StagedAttention(slots, self.device, after_launch)
-            else:
-                from unittest import mock
-
-                with mock.patch.object(bcg.staged.gate, "kernel", lambda device: None):
-                    self._staged[key] = StagedAttention(slots, self.device, after_launch)
-        return self._staged[key]
+    def staged_attention(self, slots: int) -> StagedAttention:
+        """The staged attentions over ``slots`` request slots on this model's device (made once per ``slots``)."""
+        if slots not in self._staged:
+            self._staged[slots] = StagedAttention(slots, self.device)
+        return self._staged[slots]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
         r = regions or self.regions
@@ -711,18 +686,15 @@ class StagedAttention:
     Arguments:
         slots: R, the most requests of a batch that runs inline (:meth:`fits`).
         device: the device of the staged ``cu_seqlens`` (where the kernels run).
-        after_launch: ``prepare_after_launch`` of the breakpoints (its ``prepare`` is
-            host-only, and raises only for more requests than slots, which ``fits`` refuses).
     """
 
-    def __init__(self, slots: int, device: torch.device, after_launch: bool = True) -> None:
+    def __init__(self, slots: int, device: torch.device) -> None:
         self.slots = slots
         self.cu = bcg.StagingBuffer((slots + 1,), dtype=torch.int32, device=device)
-        self._prefixes: dict[int, torch.Tensor] = {}  # k -> cu.device[:k + 1], made once (a slice costs ~1 us)
+        self._prefixes: dict[int, torch.Tensor] = {}  # k -> cu.device[:k + 1], made once (not per replay)
         prepare, fits = self.prepare, self.fits  # one object each, shared by the breakpoints
         self.breakpoints: dict[str, Any] = {
-            attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits,
-                                 prepare_after_launch=after_launch)
+            attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
             for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
         }
 
@@ -841,23 +813,14 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         case.live_stream = stream
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
-        def staged_case(after: bool, gate: bool = True, tiers: bool = True) -> Case:
-            staged = model.staged_attention(args.slots, after, gate)
-            return dataclasses.replace(
-                case,
-                bp=staged.breakpoints[attn],
-                live=Batch(lengths),
-                new_live=lambda: Batch(lengths),
-                live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args) if tiers else ()),
-            )
-
-        case.staged = staged_case(after_launch(args))
-        # the same without one knob each (modes bcg-staged-first, -simple, -notiers)
-        case.staged_variants = {
-            "first": staged_case(False),
-            "simple": staged_case(False, gate=False),
-            "notiers": staged_case(after_launch(args), tiers=False),
-        }
+        staged = model.staged_attention(args.slots)
+        case.staged = dataclasses.replace(
+            case,
+            bp=staged.breakpoints[attn],
+            live=Batch(lengths),
+            new_live=lambda: Batch(lengths),
+            live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args)),
+        )
     return case
 
 
@@ -865,8 +828,6 @@ def compile_usable(device: torch.device) -> str | None:
     """Why the compiled regions cannot run here (None: they can): Inductor needs Triton on a GPU."""
     if device.type != "cuda":
         return "torch.compile modes need a GPU here (Inductor's CPU backend compiles C++ for minutes)"
-    from torch.utils._triton import has_triton
-
     return None if has_triton() else "Triton is not installed"
 
 
@@ -897,11 +858,8 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
 
 
 def _cold_compile_caches() -> Any:
-    """A context in which torch.compile starts from empty on-disk caches (Inductor's ``fresh_cache``)."""
-    import torch._inductor.utils as inductor_utils
-
-    fresh = getattr(inductor_utils, "fresh_cache", None) or getattr(inductor_utils, "fresh_inductor_cache")
-    return fresh()
+    """A context in which torch.compile starts from empty on-disk caches (Inductor's own)."""
+    return fresh_inductor_cache()
 
 
 def _ladder(
@@ -909,10 +867,10 @@ def _ladder(
 ) -> dict[str, Any]:
     """The ladder over varlen attention; ``staged``: its staged form (host-only live metadata,
     both forms per bucket)."""
-    buckets = bcg.default_buckets(args.ladder_max)
+    buckets = bcg.runner.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
-    staged_attention = model.staged_attention(args.slots, after_launch(args))
+    staged_attention = model.staged_attention(args.slots)
     bp = staged_attention.breakpoints["varlen"] if staged else attention_varlen
 
     lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
