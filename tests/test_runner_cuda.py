@@ -311,7 +311,7 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     model = _Leaky()
     runner = _runner(model, [64, 256], pool=pool, stream=stream)
     for n in (64, 256):  # the zeroing was recorded as the group, in a segment after each breakpoint
-        per_segment = [len(s.switchable.get(PADDING, ())) for s in runner.graph(n).segments]
+        per_segment = [len(s.switchable.get(PADDING, ())) for s in runner.graph(n).forms[0].segments]
         assert sum(per_segment) >= 4 and sum(k > 0 for k in per_segment) >= 2, (n, per_segment)
     gen = torch.Generator().manual_seed(5)
     for T in (64, 63, 64, 64, 1, 256, 200, 256, 64, 17):
@@ -320,7 +320,7 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
         y = runner(x, pos, live=live)
         bucket = runner.bucket_for(T)
         assert asked[-1] == (T < bucket, True), f"T={T}: the zeroing was not switched as asked"
-        for step in runner.graph(bucket).segments:  # each replays its executable without the zeroing
+        for step in runner.graph(bucket).forms[0].segments:  # each replays its executable without the zeroing
             if step.switchable.get(PADDING):
                 assert step.skipped == (frozenset({PADDING}) if T == bucket else frozenset()), (T, step.index)
         assert torch.isfinite(runner.bucket_outputs(bucket)).all(), f"NaN/inf in bucket {bucket} at T={T}"

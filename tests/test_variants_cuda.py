@@ -202,7 +202,11 @@ def test_evicting_variants_returns_their_memory() -> None:
         highs.append(torch.cuda.memory_reserved() - base)
     st = graph.stats().keyed["graph"]
     assert st["entries"] == 2 and st["evictions"] == 6, st
-    assert max(highs) <= 3 * big + (16 << 20), [h >> 20 for h in highs]  # two kept, one being captured
+    # one variant: its temporary, and the cuBLAS workspace its own capture allocated in its pool
+    one = highs[0]
+    assert one >= big, [h >> 20 for h in highs]
+    assert max(highs) <= 3 * one, [h >> 20 for h in highs]  # two kept, one being captured
+    assert highs[-1] <= highs[1] + (4 << 20), [h >> 20 for h in highs]  # evictions return their memory
     graph.reset()
     torch.cuda.synchronize()
     assert torch.cuda.memory_reserved() <= base + (4 << 20)

@@ -495,7 +495,12 @@ class Capture:
         translated = self._abandon(session, exc)
         if translated is exc:
             return False
-        raise translated from exc
+        try:
+            raise translated from exc
+        finally:
+            # this frame would hold the error whose traceback holds this frame: a cycle that keeps
+            # the failed capture's tensors (its frames' arguments) allocated until a collection
+            del translated, session
 
     def _build_guards(self, session: CaptureSession) -> Guards:
         guards = Guards()

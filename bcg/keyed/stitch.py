@@ -124,7 +124,8 @@ class StitchedCache:
         self.updates += 1
         nbytes = self._lru.size(oldest)
         self._lru.pop(oldest)
-        self._lru.put(key, _Executable(found.handle, parts), nbytes)
+        found.parts = parts  # the same object: a new one would leave this one to destroy the handle
+        self._lru.put(key, found, nbytes)
         return found.handle
 
     def drop(self, part: Hashable) -> None:
