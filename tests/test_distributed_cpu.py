@@ -151,6 +151,26 @@ def test_runner_ranks_pick_one_bucket_and_share_a_capture_failure() -> None:
         assert fallbacks["capture_failed"] == 1 and replays[16] == 1 and replays[32] == 0, (rank, replays, fallbacks)
 
 
+def _explicit_bucket(rank: int) -> Any:
+    """Ranks pass the same bucket with different rows: the padding-waste rule must not split them."""
+    ranks = RankAgreement()
+    net = _Net(rank, None)
+    runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
+                             capture_live=2.0, progress=False, ranks=ranks, max_padding_ratio=0.5)
+    runner.capture()
+    x = torch.randn(8 if rank == 0 else 20, 4)  # rank 0 alone would waste 75% of bucket 32
+    got = runner(x, live=3.0, bucket=32)
+    with bcg.live_scope(3.0):
+        want = net.scale(x @ net.w) + 1
+    st = runner.stats()
+    return bool(torch.equal(got, want)), st["replays"][32], st["fallbacks"]["padding_waste"]
+
+
+def test_runner_ranks_given_one_bucket_agree_on_padding_waste() -> None:
+    results = run_world(_explicit_bucket)
+    assert results == [(True, 1, 0), (True, 1, 0)], results  # judged on the largest T of all ranks
+
+
 def test_runner_ranks_without_failures() -> None:
     import functools
 

@@ -22,8 +22,8 @@ or some rank waits forever.
   votes while healthy, which holds when they run the same code on the same
   bucket.
 
-The GPU side (NCCL in segments, ``capture_error_mode``) is documented in the
-README, "Multi-GPU". NVLink multicast is never used: bcg creates no
+The GPU side (NCCL in segments, ``capture_error_mode``) is documented in
+docs/distributed.md. NVLink multicast is never used: bcg creates no
 multicast objects, and leaves ``NCCL_NVLS_ENABLE`` as the environment sets it.
 """
 

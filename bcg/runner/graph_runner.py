@@ -581,7 +581,7 @@ class GraphRunner:
                     f"{self._buckets_list} at least T={T}"
                 )
             n: int | None = bucket
-            T_all = T
+            T_all = agree.max([T])[0] if agree is not None else T  # (every rank judges the padding alike)
         elif handed is not None and agree is None:
             n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
         else:
