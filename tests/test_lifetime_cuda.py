@@ -263,7 +263,8 @@ def _one_round(kind: str, seed: int, mode: str, stream: torch.cuda.Stream) -> Ca
             got = runner(a, live={"s": 0.5}).clone()
             pad = torch.zeros(32 if T <= 32 else 64, 256, device="cuda")
             pad[:T] = a
-            torch.testing.assert_close(got, eager(pad, 0.5)[:T], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, eager(pad, 0.5)[:T], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"runner round {seed}, T={T}: {m}")
         holder: object = runner
     elif kind == "keyed":
         fwd, eager, x = _keyed_model(seed)
@@ -271,14 +272,16 @@ def _one_round(kind: str, seed: int, mode: str, stream: torch.cuda.Stream) -> Ca
                            variants=bcg.VariantPolicy(max_variants=2, window=1000))
         for n in (8, 16, 24, 8, 32, 16):  # captures variants and evicts them (two kept)
             x.copy_(randn(64, 256))
-            torch.testing.assert_close(g.replay(live={"n": n}).clone(), eager(x, n), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g.replay(live={"n": n}).clone(), eager(x, n), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"keyed round {seed}, n={n}: {g.stats().keyed} {m}")
         holder = g
     else:
         fwd, eager, x = _thread_model(seed)
         g = bcg.make_graph(fwd, x, live={"s": 1.0}, stream=stream, capture_error_mode=mode)
         for s in (0.5, 2.0):
             x.copy_(randn(64, 256))
-            torch.testing.assert_close(g.replay(live={"s": s}).clone(), eager(x, s), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g.replay(live={"s": s}).clone(), eager(x, s), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{kind} round {seed}, s={s}: {m}")
         if kind == "cycle":
             g.cycle = g  # type: ignore[attr-defined] - freed by the cycle collector, not by reference counts
         holder = g
