@@ -160,10 +160,7 @@ def _install(graph: BreakableGraph, recording: Recording, outputs: Any, variants
         else:
             graph.add_form(recording, outputs, tier=form == "tier")
     except BaseException:
-        for step in recording.plan:
-            step.release()
-        if recording.lease is not None:
-            recording.lease.release()
+        recording.release()
         if form == "breakable":
             graph.reset()
         raise

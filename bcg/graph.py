@@ -122,8 +122,7 @@ class Form:
 
     def run(self, live: Any, stitch: bool, device: int | None) -> None:
         """Prepare and launch this form on the current stream (``live`` is set by the caller)."""
-        if self.stager is not None:
-            self.stager.prepare(live)
+        self.prepare(live)
         rec = self.recording
         if self.executor is None:
             rec.rerun()  # type: ignore[misc]  # eager mode
@@ -185,15 +184,10 @@ class Form:
         return done
 
     def free(self) -> None:
-        """Release the form's variants and steps (see :mod:`bcg.core.process`)."""
-        if self.recording.held is not None:
-            self.recording.held.release()
+        """Release the form's variants, steps and pool share (see :mod:`bcg.core.process`)."""
         if self.variants is not None:
             self.variants.release()
-        for step in self.plan:
-            step.release()
-        if self.recording.lease is not None:
-            self.recording.lease.release()
+        self.recording.release()
 
 
 class BreakableGraph:
@@ -368,8 +362,7 @@ class BreakableGraph:
                 f"this graph was captured on cuda:{device} but the current device is "
                 f"cuda:{current}: replay it under torch.cuda.device({device})"
             )
-        if self._alarm:  # a storage the graph reads may have been replaced (see bcg.core.storages)
-            check_alarm(self._alarm)
+        self.check_held()
         if form.breakable and self._main is not None and self._main.stager is not None:
             if reason is None:  # (chosen by ranks' agreement)
                 reason = self._main.misfit(live) or "another rank's metadata does not fit"

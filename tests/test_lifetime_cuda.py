@@ -328,6 +328,52 @@ def test_graphs_dropped_on_one_thread_never_break_another_threads_capture(mode: 
     torch.cuda.synchronize()
 
 
+def test_work_on_any_torch_stream_is_never_recorded_into_a_bcg_capture() -> None:
+    """While one thread captures on bcg's capture stream, another runs work on 64 new
+    ``torch.cuda.Stream()`` s (torch hands out 32 pooled streams round-robin): every one of them
+    runs its work, none is capturing, and the capture stays clean."""
+    x = torch.randn(1024, device="cuda")
+    w = torch.randn(1024, device="cuda")
+    capturing, done = threading.Event(), threading.Event()
+
+    @bcg.breakpoint(mutates="h")
+    def bump(h: torch.Tensor) -> None:
+        h.add_(1.0)
+
+    def capture() -> None:
+        g = bcg.BreakableGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            with bcg.capture(g, capture_error_mode="thread_local"):
+                h = x * w
+                capturing.set()
+                assert done.wait(60)
+                bump(h)
+                y = h * 2
+            for _ in range(2):
+                x.copy_(torch.randn(1024, device="cuda"))
+                g.replay()
+                torch.testing.assert_close(y, (x * w + 1) * 2)
+        torch.cuda.current_stream().synchronize()
+
+    def other() -> None:
+        assert capturing.wait(60)
+        try:
+            for _ in range(64):
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    assert not torch.cuda.is_current_stream_capturing(), "a torch stream is bcg's capture stream"
+                    a = torch.arange(256, device="cuda", dtype=torch.float32)  # (the default generator
+                    b = a * 3  # is in capture mode: no randn here)
+                    s.synchronize()
+                    torch.testing.assert_close(b.cpu(), a.cpu() * 3)
+        finally:
+            done.set()
+
+    errors = run_in_threads(lambda f: f(), [capture, other])
+    assert not errors, errors
+
+
 # -- 3. replaced tensors --------------------------------------------------------------------------------
 
 

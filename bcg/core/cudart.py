@@ -248,6 +248,14 @@ def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
 
 
+def stream_create() -> int:
+    """A new non-blocking stream on the current device (``cudaStreamCreateWithFlags``), never
+    destroyed: unlike ``torch.cuda.Stream()``, which hands out one of a small pool of streams
+    round-robin, it is nobody else's stream."""
+    rt = runtime()
+    return int(check(rt.cudaStreamCreateWithFlags(getattr(rt, "cudaStreamNonBlocking", 1))))
+
+
 # -- building and launching graphs (stitching: bcg.keyed.stitch) ------------------------------------
 
 

@@ -260,6 +260,15 @@ class Recording:
     unswitchable: frozenset[str] = frozenset()
     held: HeldStorages | None = None
 
+    def release(self) -> None:
+        """Stop checking the held storages, release the steps and the pool share (idempotent)."""
+        if self.held is not None:
+            self.held.release()
+        for step in self.plan:
+            step.release()
+        if self.lease is not None:
+            self.lease.release()
+
 
 @dataclass(frozen=True)
 class GraphSource:

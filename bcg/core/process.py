@@ -18,7 +18,8 @@ Process-wide, and why (see also DESIGN.md):
   capture, and the capture stream below is shared. The runner and
   ``make_graph`` hold it across warm-up and capture. Its outermost release
   runs the queued frees.
-* one capture stream per device, reused as ``torch.cuda.graph`` reuses its own.
+* one capture stream per device, reused as ``torch.cuda.graph`` reuses its own, but
+  created for bcg alone (torch's pooled streams are handed out again after 32 requests).
 * Python's cycle collector, paused while any capture runs (reference counted):
   collecting a cycle that holds a graph bcg did not make (a user's, Inductor's)
   would destroy it during the capture.
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from bcg.core import cudart
 
 log = logging.getLogger("bcg")
 
@@ -130,7 +133,12 @@ class _Process:
         with self.lock:
             stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
+                # Not torch.cuda.Stream(): torch hands out its 32 pooled streams round-robin, so
+                # the 33rd stream a process asks for (a user's, another thread's) would be this
+                # one, and its work would be recorded into bcg's captures.
+                with torch.cuda.device(device):
+                    handle = cudart.stream_create()
+                stream = self._streams[device] = torch.cuda.ExternalStream(handle, device=device)
             return stream
 
     def pause_gc(self) -> None:
