@@ -205,6 +205,7 @@ class BreakableGraph:
         self._was_reset = False
         self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
         self._disabled: frozenset[str] = frozenset()  # node groups set_enabled turned off
+        self._switch_done: dict[tuple[str, bool], bool] = {}  # set_enabled's answers while _disabled holds
         self._alarm: list[Any] = []  # storages read that nothing but the graph may hold any more
         self._breakable_replays: dict[str, int] = {}
         self._policy: VariantPolicy | None = None  # keyed breakpoints' policy, shared by every form
@@ -227,6 +228,7 @@ class BreakableGraph:
         self._main = Form(recording, "inline" if recording.stager else "graph", None, variants, self._alarm,
                           recording.pool)
         self._forms = [self._main]
+        self._switch_done = {}
         self._was_reset = False
         self._breakable_replays = {}
 
@@ -250,6 +252,7 @@ class BreakableGraph:
             raise ReplayError("a staged tier must capture every staged breakpoint inline (its live metadata "
                               "did not fit its own bounds)")
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
+        self._switch_done = {}  # the new form's unswitchable groups count in the answers
         form = Form(recording, name, outputs, self._policy, self._alarm, main.recording.pool)
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
@@ -418,6 +421,12 @@ class BreakableGraph:
         disabled = self._disabled - {label} if enabled else self._disabled | {label}
         if not self._forms or self._forms[0].executor is None:
             return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
+        if disabled == self._disabled:  # nothing changes (the runner asks at every call)
+            done = self._switch_done.get((label, enabled))
+            if done is not None:
+                return done
+        else:
+            self._switch_done = {}
         self._disabled = disabled
         done = True
         for form in self._forms:
@@ -425,6 +434,7 @@ class BreakableGraph:
                 done = done and label not in form.recording.unswitchable
             else:
                 done = form.switch(disabled) and done
+        self._switch_done[(label, enabled)] = done
         return done
 
     def use_executor(self, name: str | None) -> None:
@@ -550,7 +560,7 @@ class BreakableGraph:
             if form.recording.held is not None:
                 form.recording.held.release()  # (no CUDA call: stop checking now)
         self._forms, self._main, self._lease = [], None, None
-        self._alarm, self._disabled = [], frozenset()
+        self._alarm, self._disabled, self._switch_done = [], frozenset(), {}
         self._breakable_replays = {}
         self.source = None
         self._was_reset = True

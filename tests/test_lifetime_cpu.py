@@ -217,3 +217,36 @@ def test_compiled_code_stays_compiled_under_the_watch_and_its_inputs_are_found()
     lin.weight = torch.nn.Parameter(torch.randn(32, 32))
     with pytest.raises(StaleTensorError):
         check_alarm(alarm)
+
+
+def test_a_paused_watch_sees_nothing_and_watches_again_after() -> None:
+    """A breakpoint's eager call runs with the watch paused: its operations bypass the mode."""
+    outside = torch.randn(8)
+    seen: list[int] = []
+    watch = StorageWatch(lambda op, t, ptr: seen.append(ptr) or True, recording=lambda: True)
+    with watch:
+        with watch.paused():
+            (outside * 2).sum()
+        assert seen == []
+        (outside * 2).sum()
+    assert outside.untyped_storage().data_ptr() in seen
+
+
+def test_pausing_a_watch_under_another_mode_leaves_both_in_place() -> None:
+    """Only the innermost mode can be paused: under another one, the watch keeps watching."""
+    from bcg.core.torch_internals import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    outside = torch.randn(8)
+    seen: list[int] = []
+    watch = StorageWatch(lambda op, t, ptr: seen.append(ptr) or True, recording=lambda: True)
+    with watch, Count():
+        with watch.paused():
+            outside * 2
+    assert Count.ops == 1 and outside.untyped_storage().data_ptr() in seen

@@ -262,7 +262,8 @@ class CaptureSession(Recorder):
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close_segment(f"breakpoint {spec.name!r}")
         try:
-            result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
+            with self.watch.paused():  # (nothing of it is captured)
+                result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
         except BaseException as exc:
             add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise

@@ -29,6 +29,7 @@ of: replacing one of those is not detected.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -38,7 +39,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from bcg.core.torch_internals import TorchDispatchMode, storage_use_count, view_base
+from bcg.core.torch_internals import TorchDispatchMode, storage_use_count, view_base, without_mode
 from bcg.errors import StaleTensorError
 
 log = logging.getLogger("bcg")
@@ -235,6 +236,11 @@ class StorageWatch(TorchDispatchMode):
                 return
             held = self._held[ptr] = _Storage(storage, t, str(func))
         held.watch(t)
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose operations are not captured (a breakpoint's eager call) runs without
+        this mode, so they do not pay its Python dispatch."""
+        return without_mode(self)
 
     def held(self, where: str, alarm: list[Any]) -> HeldStorages:
         """What the capture read outside its pools, held from now on (the watch is done)."""

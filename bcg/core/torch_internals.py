@@ -7,8 +7,9 @@ private torch name (``tests/test_layout.py`` checks it).
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "storage_use_count",
     "stream_readers",
     "view_base",
+    "without_mode",
 ]
 
 
@@ -118,6 +120,22 @@ def profiler_enabled() -> bool:
     ``record_function`` reads.
     """
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+@contextlib.contextmanager
+def without_mode(mode: TorchDispatchMode) -> Iterator[None]:
+    """Run the block without ``mode`` when it is the innermost dispatch mode (else as is).
+
+    Private: torch has no public way to suspend one mode for a block; its own
+    modes use ``_pop_mode_temporarily`` for the same.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    if _get_current_dispatch_mode() is not mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
