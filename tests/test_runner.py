@@ -129,9 +129,58 @@ def test_eager_runner_matches_forward_for_every_bucket(returning: bool) -> None:
             torch.testing.assert_close(y, unpadded, rtol=1e-5, atol=1e-5)
             assert torch.equal(y, padded)  # the same ops on the same shapes
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0}
     assert sum(stats["replays"].values()) == stats["calls"] == stats["graph_calls"]
     assert all(stats["replays"][b] > 0 for b in buckets)
+
+
+def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_first_call() -> None:
+    """lazy=True: a call whose bucket is not captured yet runs forward eagerly (unpadded) and then
+    captures that bucket; the next call of it replays it. capture() captures what is left."""
+    model = _llama()
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live, lazy=True)
+    assert runner.captured_buckets == []
+    gen = torch.Generator().manual_seed(1)
+
+    def call(T: int) -> torch.Tensor:
+        x, pos = torch.randn(T, HIDDEN, generator=gen), torch.arange(T)
+        y = runner(x, pos, live=_live(T))
+        with bcg.live_scope(_live(T)), torch.no_grad():
+            torch.testing.assert_close(y, model(x, pos), rtol=1e-5, atol=1e-5)
+        return y
+
+    call(6)  # bucket 8: eager, then captured
+    stats = runner.stats()
+    assert stats["fallbacks"]["not_captured_yet"] == 1 and stats["graph_calls"] == 0
+    assert runner.captured_buckets == [8] and stats["captures"] == {"capture()": 0, "lazy": 1}
+    call(7)  # bucket 8 again: its graph (eager mode: the padded forward)
+    stats = runner.stats()
+    assert stats["fallbacks"]["not_captured_yet"] == 1 and stats["replays"][8] == 1
+    call(12)  # bucket 16
+    assert runner.captured_buckets == [8, 16]
+    runner.capture()  # the rest
+    stats = runner.stats()
+    assert runner.captured_buckets == [4, 8, 16] and stats["captures"] == {"capture()": 1, "lazy": 2}
+    call(3)
+    assert runner.stats()["fallbacks"]["not_captured_yet"] == 2 and runner.stats()["replays"][4] == 1
+
+
+def test_a_lazy_runners_input_buffers_exist_before_any_call() -> None:
+    model = _llama()
+    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live, lazy=True)
+    x, pos = runner.input_buffers(6)
+    x.copy_(torch.randn(6, HIDDEN))
+    pos.copy_(torch.arange(6))
+    with bcg.live_scope(_live(6)), torch.no_grad():
+        expected = model(x.clone(), pos.clone())
+    torch.testing.assert_close(runner(x, pos, live=_live(6)), expected, rtol=1e-5, atol=1e-5)
+    assert runner.captured_buckets == [8]
+
+
+def test_a_runner_that_is_not_lazy_refuses_calls_before_capture() -> None:
+    runner = _runner(_llama(), [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    with pytest.raises(bcg.ReplayError, match="not captured"):
+        runner(torch.randn(3, HIDDEN), torch.arange(3), live=_live(3))
 
 
 @bcg.breakpoint
@@ -527,7 +576,7 @@ def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.Log
     check(1)  # bucket 4, 3/4 padding > 0.5: eager
     assert calls == [1]
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3}
+    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3, "not_captured_yet": 0}
     assert stats["replays"] == {4: 1, 16: 0, 32: 1}
     assert stats["calls"] == 7 and stats["graph_calls"] == 2
     assert set(stats["capture_s"]) == {4, 16, 32}

@@ -86,10 +86,39 @@ def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: b
             )  # unpadded: equal up to GEMM rounding (kernels change with M)
             checked += 1
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0}
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0}
     assert all(stats["replays"][b] >= 3 for b in buckets)
     assert stats["graph_calls"] == checked
     assert runner.graph(16).stats().breakpoints == 2
+
+
+def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_bit_identically() -> None:
+    """lazy=True on the GPU: the first call of a bucket runs forward eagerly (unpadded), then
+    captures the bucket into the runner's one pool; its later calls are replays, bit-identical to
+    eager on the padded input. Buckets arrive in a random order."""
+    model = _model()
+    buckets = [16, 32, 64, 128]
+    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+                             progress=False, lazy=True)
+    gen = torch.Generator().manual_seed(3)
+    order = [64, 16, 128, 32]
+    for n in order:
+        for k in range(3):
+            T = n - k
+            x, pos, live = _batch(T, gen)
+            y = runner(x, pos, live=live).clone()
+            if k == 0:  # eager, unpadded
+                with bcg.live_scope(live), torch.no_grad():
+                    assert torch.equal(y, model(x, pos))
+                assert n in runner.captured_buckets
+            else:
+                assert torch.equal(y, _padded_eager(model, x, live, n))
+    stats = runner.stats()
+    assert stats["captures"] == {"capture()": 0, "lazy": 4}
+    assert stats["fallbacks"]["not_captured_yet"] == 4 and stats["graph_calls"] == 8
+    assert runner.graph(16).stats().pool_bytes == stats["pool_bytes"] > 0  # one pool for every bucket
+    runner.reset()
 
 
 @pytest.mark.parametrize("sanitize", [True, False])
@@ -408,7 +437,7 @@ def test_each_fallback_reason_triggers_and_is_counted(caplog: pytest.LogCaptureF
             assert after[reason] == before[reason] + 1
             with bcg.live_scope(live), torch.no_grad():
                 assert torch.equal(y, forward(x, pos))  # forward on the real inputs
-    assert runner.stats()["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 2}
+    assert runner.stats()["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 2, "not_captured_yet": 0}
 
 
 def test_guards_name_the_input_before_any_side_effect() -> None:

@@ -36,8 +36,9 @@ from bcg.staged.staging import StagedTiers, StagedWarmup
 
 log = logging.getLogger("bcg")
 
-#: The reasons a call runs ``forward`` eagerly instead of replaying a graph.
-FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed")
+#: The reasons a call runs ``forward`` eagerly instead of replaying a graph (``"not_captured_yet"``:
+#: ``lazy=True``, the call's bucket is captured right after it).
+FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet")
 
 
 #: A call's route in :meth:`bcg.distributed.RankAgreement.expect_same` checks (the key names the
@@ -65,6 +66,7 @@ class _Bucket:
     slice_dims: list[tuple[int, ...]] = field(default_factory=list)
     failure: str | None = None
     captured: bool = False
+    trigger: str | None = None  # what captured it: "capture()" or "lazy" (a call)
     capture_s: float = 0.0
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
@@ -111,6 +113,11 @@ class GraphRunner:
     (``other.pool()``). ``mode``: ``"graph"`` or ``"eager"``. ``progress``:
     show a tqdm bar while capturing. ``variants``: a :class:`bcg.VariantPolicy`
     for keyed breakpoints (each bucket's graph keeps its own variants).
+    ``lazy``: ``runner.capture()`` becomes optional: a call whose bucket is not
+    captured yet runs ``forward`` eagerly (unpadded, as the other fallbacks), then
+    captures that bucket before it returns; later calls replay it
+    (``stats()["captures"]`` counts captures by trigger). ``capture()`` then
+    captures the buckets not captured yet.
     ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
     each call picks the bucket of the largest ``T`` of all ranks and one form
@@ -141,6 +148,7 @@ class GraphRunner:
         name: str | None = None,
         variants: VariantPolicy | None = None,
         ranks: RankAgreement | None = None,
+        lazy: bool = False,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -181,6 +189,7 @@ class GraphRunner:
         self._capture_error_mode = capture_error_mode
         self._variants = variants
         self._ranks = ranks
+        self._lazy = bool(lazy)
         self._barrier: Callable[[], None] | None = None  # the open bucket's CaptureVote.barrier
         self._progress = progress
         self._user_pool = pool
@@ -301,58 +310,84 @@ class GraphRunner:
         per-bucket seconds (``stats()["capture_s"]``), logs the total and the
         pool size. A bucket whose warm-up or capture raises is logged and
         skipped (see the module documentation). In eager mode each bucket is
-        run once instead. Returns the runner.
+        run once instead. With ``lazy=True``, captures the buckets that calls
+        have not captured yet. Returns the runner.
         """
         with self._lock.lock, self._capturing(), self._on_device():
-            if self._captured:
+            if self._captured and not self._lazy:
                 raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
-            self._setup()
             t_start = time.perf_counter()
-            try:
-                self._run_recorded(self._probe_size)
-            except Exception as exc:  # the buckets' own warm-ups report failures
-                log.debug("bcg.GraphRunner: the probe run at size %d raised: %r", self._probe_size, exc)
+            self._prepare_captures()
             from tqdm import tqdm
 
-            order = sorted(self._buckets_list, reverse=True)
+            order = [n for n in sorted(self._buckets_list, reverse=True)
+                     if not self._buckets[n].captured and self._buckets[n].failure is None]
             bar = tqdm(order, desc="bcg capture", unit="bucket", disable=not self._progress)
             for n in bar:
                 bar.set_postfix_str(f"bucket {n}", refresh=False)
-                bucket = self._buckets[n]
-                t0 = time.perf_counter()
-                vote = CaptureVote(self._ranks) if self._ranks is not None else None
-                self._barrier = vote.barrier if vote is not None else None
-                try:
-                    self._capture_bucket(bucket)
-                    if vote is not None and not vote.finish():
-                        raise CaptureError(f"another rank failed to capture bucket {n}: every rank runs it eagerly")
-                except Exception as exc:
-                    if vote is not None:
-                        vote.fail()
-                    bucket.free_graphs()  # (captured here, failed on another rank)
-                    bucket.failure = f"{type(exc).__name__}: {exc}"
-                    bucket.captured = False
-                    log.warning(
-                        "bcg.GraphRunner(%s): capturing bucket %d failed, calls that would use it run "
-                        "eagerly (fallback 'capture_failed'): %s",
-                        self.name, n, bucket.failure, exc_info=exc,
-                    )
-                finally:
-                    self._barrier = None
-                bucket.capture_s = time.perf_counter() - t0
+                self._capture_one(self._buckets[n], "capture()")
             bar.close()
             for n in order:
                 self._finish_bucket(self._buckets[n])
-            self._capture_total_s = time.perf_counter() - t_start
+            self._capture_total_s += time.perf_counter() - t_start
             self._captured = True
             ok = [b for b in self._buckets_list if self._buckets[b].captured]
             log.info(
                 "bcg.GraphRunner(%s): %s %d of %d bucket(s) (%s) in %.2f s; pool %.1f MiB",
                 self.name, "captured" if self._mode == "graph" else "warmed up (eager mode)",
-                len(ok), len(order), ", ".join(map(str, ok)) or "none", self._capture_total_s,
+                len(ok), len(self._buckets_list), ", ".join(map(str, ok)) or "none", self._capture_total_s,
                 self._pool_bytes() / 2**20,
             )
             return self
+
+    def _prepare_captures(self) -> None:
+        """Before the first bucket's capture: the static buffers, and the probe run (under the
+        capture lock) that tells which output dims grow with the size."""
+        if self._static is not None and self._out_shapes:
+            return
+        self._setup()
+        try:
+            self._run_recorded(self._probe_size)
+        except Exception as exc:  # the buckets' own warm-ups report failures
+            log.debug("bcg.GraphRunner: the probe run at size %d raised: %r", self._probe_size, exc)
+
+    def _capture_one(self, bucket: _Bucket, trigger: str) -> None:
+        """Warm up and capture ``bucket`` (under the capture lock); a failure is logged and the
+        bucket's calls run eagerly (fallback ``capture_failed``). With ranks, they vote."""
+        n = bucket.size
+        t0 = time.perf_counter()
+        vote = CaptureVote(self._ranks) if self._ranks is not None else None
+        self._barrier = vote.barrier if vote is not None else None
+        try:
+            self._capture_bucket(bucket)
+            if vote is not None and not vote.finish():
+                raise CaptureError(f"another rank failed to capture bucket {n}: every rank runs it eagerly")
+            bucket.trigger = trigger
+        except Exception as exc:
+            if vote is not None:
+                vote.fail()
+            bucket.free_graphs()  # (captured here, failed on another rank)
+            bucket.failure = f"{type(exc).__name__}: {exc}"
+            bucket.captured = False
+            log.warning(
+                "bcg.GraphRunner(%s): capturing bucket %d failed, calls that would use it run "
+                "eagerly (fallback 'capture_failed'): %s",
+                self.name, n, bucket.failure, exc_info=exc,
+            )
+        finally:
+            self._barrier = None
+        bucket.capture_s = time.perf_counter() - t0
+
+    def _capture_lazily(self, bucket: _Bucket) -> None:
+        """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held)."""
+        with self._capturing(), self._on_device():
+            t_start = time.perf_counter()
+            self._prepare_captures()
+            self._capture_one(bucket, "lazy")
+            self._finish_bucket(bucket)
+            self._capture_total_s += time.perf_counter() - t_start
+        log.info("bcg.GraphRunner(%s): bucket %d captured after a call (lazy) in %.2f s",
+                 self.name, bucket.size, bucket.capture_s)
 
     def _capture_bucket(self, bucket: _Bucket) -> None:
         n = bucket.size
@@ -537,7 +572,11 @@ class GraphRunner:
         """
         with self._lock.lock:
             if not self._captured:
-                raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
+                if not self._lazy:
+                    raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
+                with self._on_device():
+                    self._setup()  # (lazy: buckets are captured by the calls that need them)
+                self._captured = True
             ranks = self._ranks
             if ranks is None or not ranks.same_inputs:
                 return self._call(inputs, live, bucket, None)
@@ -594,6 +633,10 @@ class GraphRunner:
         chosen = self._buckets[n]
         if chosen.failure is not None:
             return self._fallback("capture_failed", inputs, live, choice)
+        if not chosen.captured:  # lazy=True: this call runs eagerly, then captures its bucket
+            out = self._fallback("not_captured_yet", inputs, live, choice)
+            self._capture_lazily(chosen)
+            return out
         if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
             return self._fallback("padding_waste", inputs, live, choice)
         static, sanitizer = self._static, self._sanitizer
@@ -765,8 +808,11 @@ class GraphRunner:
             ``resize_``, ``as_strided_``).
         """
         with self._lock.lock:
+            if self._lazy and self._static is None:
+                with self._on_device():
+                    self._setup()
             static = self._static
-            if not self._captured or static is None:
+            if (not self._captured and not self._lazy) or static is None:
                 raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
             handed = self._handed.get(T)
             if handed is not None:
@@ -813,6 +859,7 @@ class GraphRunner:
         """Counters and sizes.
 
         ``capture_s`` ({bucket: seconds, warm-up included}), ``capture_total_s``,
+        ``captures`` ({trigger: buckets captured by it}: ``"capture()"``, ``"lazy"``),
         ``pool_bytes`` (the shared pool: every bucket, and any other runner
         sharing it), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
         :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls run
@@ -845,6 +892,8 @@ class GraphRunner:
             "captured_buckets": self.captured_buckets,
             "failed_buckets": self.failed_buckets,
             "capture_s": {b: x.capture_s for b, x in self._buckets.items() if x.captured or x.failure},
+            "captures": {trigger: sum(1 for x in self._buckets.values() if x.captured and x.trigger == trigger)
+                         for trigger in ("capture()", "lazy")},
             "capture_total_s": self._capture_total_s,
             "pool_bytes": pool,
             "largest_alone_pool_bytes": alone,
