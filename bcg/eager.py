@@ -35,10 +35,21 @@ log = logging.getLogger("bcg")
 class _OpCounter(TorchDispatchMode):
     """Counts non-view ATen operations while ``counting`` is set."""
 
+    # compiled graphs call their breakpoints' ops through higher-order operators
+    # (auto_functionalized); they pass through here and are counted as one operation
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.counting = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code compiles and runs compiled under this mode (fullgraph=True
+        # refuses to run under a mode that is not so marked); its operations are still counted
+        # where they go through the dispatcher.
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.counting and not getattr(func, "is_view", False):

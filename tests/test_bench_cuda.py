@@ -10,7 +10,7 @@ import pytest
 
 import torch
 
-from bcg.bench import cli, modes
+from bcg.bench import cli, modes, registry
 from bcg.bench.workloads import llama
 
 pytestmark = pytest.mark.cuda
@@ -18,6 +18,8 @@ pytestmark = pytest.mark.cuda
 TINY = ["--shape", "tiny", "--iters", "3", "--warmup", "1", "--no-progress"]
 STAGED = {"bcg-staged", "bcg-staged-compile"}  # flash and varlen only
 KEYED = {"bcg-specialized", "bcg-specialized-zipf", "bcg-specialized-never", "bcg-never"}  # unfused only
+# the whole forward compiled: a compile per mode and point, so a test of their own (one point per attention)
+FULL = {"floor-fullcompile", "bcg-fullcompile", "bcg-staged-fullcompile", "inductor-partition"}
 
 
 def _rows(out: Path) -> tuple[dict, list[dict]]:
@@ -26,7 +28,9 @@ def _rows(out: Path) -> tuple[dict, list[dict]]:
 
 
 def test_tiny_llama_all_modes(tmp_path: Path) -> None:
-    rc = cli.main(["--workload", "llama", "--tokens", "64,256", *TINY, "--out", str(tmp_path)])
+    available = [m for m in registry.load_modes() if m not in FULL and registry.skip_reason(m, True) is None]
+    rc = cli.main(["--workload", "llama", "--tokens", "64,256", *TINY, "--modes", ",".join(available),
+                   "--out", str(tmp_path)])
     doc, rows = _rows(tmp_path)
     assert doc["errors"] == [] and rc == 0
     run = set(doc["config"]["modes"])
@@ -74,6 +78,30 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
         if row["attn"] == "flash":
             assert row["attn_backend"] == "aten._flash_attention_forward"
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_tiny_llama_whole_forward_compiled(tmp_path: Path) -> None:
+    """The whole forward compiled with fullgraph=True: bcg's graphs replay exactly the compiled
+    kernels (rel_err 0 against the compiled forward run eagerly; staged: up to the bound
+    max_seqlen), the peer runs, and rows carry compile seconds and the ratio to floor-fullcompile."""
+    available = sorted(m for m in FULL if registry.skip_reason(m, True) is None)
+    if not {"floor-fullcompile", "bcg-fullcompile"} <= set(available):
+        pytest.skip(f"whole-forward compile modes not available here: {sorted(FULL - set(available))}")
+    rc = cli.main(["--workload", "llama", "--tokens", "64", "--attn", "flash,varlen", *TINY,
+                   "--modes", ",".join(["floor", *available]), "--out", str(tmp_path)])
+    doc, rows = _rows(tmp_path)
+    assert doc["errors"] == [] and rc == 0, doc["errors"]
+    assert {(r["attn"], r["mode"]) for r in rows} == {(a, m) for a in ("flash", "varlen") for m in ["floor", *available]}
+    for row in rows:
+        if row["mode"] == "floor":
+            continue
+        assert row["compile_s"] > 0 and isinstance(row["ratio_to_floor_fullcompile_paired"], float), row
+        if row["mode"] == "bcg-fullcompile":
+            assert row["rel_err"] == 0.0 and row["breakpoints"] == 2 and row["segments"] == 3, row
+        elif row["mode"] == "bcg-staged-fullcompile":
+            assert row["rel_err"] < 1e-2 and row["inline_fraction"] == 1.0, row
+        elif row["mode"] in ("floor-fullcompile", "inductor-partition"):
+            assert row["rel_err"] < 1e-2, row
 
 
 def test_staged_falls_back_when_the_requests_exceed_the_slots(tmp_path: Path) -> None:

@@ -320,3 +320,62 @@ def test_a_floor_that_fails_while_its_host_time_is_sampled_is_reported_and_no_mo
     (row,) = rows
     assert row["mode"] == "test-other" and row["host_us_per_replay"] > 0
     assert "host_us_over_floor" not in row  # not paired with a floor that broke
+
+
+# -- the whole forward compiled (issue 32) ---------------------------------------------------------------
+
+
+def _tiny_inputs(model: llama.LlamaModel, T: int = 16) -> tuple[torch.Tensor, torch.Tensor, llama.Batch]:
+    lengths = tuple(llama.request_lengths(T, 3, seed=1))
+    x = torch.randn(T, model.hidden, dtype=model.dtype)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return x, pos, llama.Batch(lengths)
+
+
+def test_the_llama_forward_compiles_whole_around_its_breakpoint_ops() -> None:
+    """fullgraph=True over all layers: each attention breakpoint is one op, no graph break, and the
+    compiled forward equals the eager one (aot_eager: the same ATen kernels)."""
+    torch._dynamo.reset()
+    model = _tiny_model(cli.parse_args(["--shape", "tiny"]))
+    x, pos, batch = _tiny_inputs(model)
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.forward(x, pos, llama.attention_varlen)
+
+    with bcg.live_scope(batch):
+        expected = forward(x, pos)
+        out = torch.compile(forward, fullgraph=True, backend="aot_eager")(x, pos)
+        explanation = torch._dynamo.explain(forward)(x, pos)
+    assert explanation.graph_break_count == 0
+    torch.testing.assert_close(out, expected)
+
+
+def test_compiled_whole_compiles_every_forward_past_dynamos_recompile_limit() -> None:
+    """Every mode's forward is the same lambda around another breakpoint: each whole compile has
+    a code object, and so a Dynamo cache, of its own (one code object holds 8 at most)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+
+    def make(k: int):  # type: ignore[no-untyped-def]
+        return lambda x: x * 2 + k
+
+    x = torch.randn(4)
+    before = int(counters["stats"]["unique_graphs"])
+    for k in range(12):
+        torch.testing.assert_close(llama.compiled_whole(make(k), backend="eager")(x), x * 2 + k)
+    assert int(counters["stats"]["unique_graphs"]) - before == 12
+
+
+@pytest.mark.parametrize("attn", ["flash", "varlen"])
+def test_the_partition_peers_attention_op_computes_the_breakpoints_attention(attn: str) -> None:
+    """The peer's attention (a custom op tagged cudagraph_unsafe) reads the live batch as the
+    breakpoints do and gives the same forward; it is made once per attention."""
+    model = _tiny_model(cli.parse_args(["--shape", "tiny"]))
+    x, pos, batch = _tiny_inputs(model)
+    op = llama.partition_attention(attn)
+    assert llama.partition_attention(attn) is op
+    assert torch.Tag.cudagraph_unsafe in op._opoverload.tags  # type: ignore[attr-defined]
+    bp = llama.attention_flash if attn == "flash" else llama.attention_varlen
+    with bcg.live_scope(batch):
+        torch.testing.assert_close(model.forward(x, pos, op), model.forward(x, pos, bp))

@@ -151,3 +151,37 @@ def test_a_compile_inside_the_capture_is_reported(caplog: pytest.LogCaptureFixtu
     graph = bcg.make_graph(compiled, after)
     torch.testing.assert_close(graph.replay(), f(after))
     graph.reset()
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_fullgraph_compile_keeps_its_breakpoints_as_segment_ends(backend: str) -> None:
+    """A whole forward compiled with fullgraph=True: each breakpoint is one op in the compiled
+    graph, and bcg captures a segment per region around them; replays equal compiled eager
+    bitwise, with new live values."""
+    gen = torch.Generator().manual_seed(7)
+    weights = [(torch.randn(HIDDEN, HIDDEN, generator=gen) / 12).to("cuda") for _ in range(4)]
+
+    @bcg.breakpoint(mutates="h")
+    def scale(h: torch.Tensor, bias: float = 0.0) -> None:
+        h.mul_(float(bcg.live())).add_(bias)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i, w in enumerate(weights):
+            h = torch.tanh(h @ w) + 0.5 * h
+            scale(h, bias=0.1 * i)
+        return h.sum(dim=-1, keepdim=True) * h
+
+    compiled = torch.compile(forward, fullgraph=True, backend=backend)
+    x = torch.randn(T, HIDDEN, generator=gen).to("cuda")
+    with bcg.live_scope(1.0):
+        compiled(x)  # compiles before the capture
+    graph = bcg.make_graph(compiled, x, live=1.0)
+    stats = graph.stats()
+    assert (stats.breakpoints, stats.segments) == (4, 5)
+    for s in (0.5, -1.25, 2.0):
+        x.copy_(torch.randn(T, HIDDEN, generator=gen))
+        with bcg.live_scope(s):
+            expected = compiled(x).clone()
+        assert torch.equal(graph.replay(live=s), expected)
+    graph.reset()

@@ -65,6 +65,12 @@ class Case:
     # ``live_stream(kind)``: a fresh function returning each forward's live metadata, its length
     # tuples repeating as ``kind`` says ("fixed", "zipf", "never"); None: the point has no stream
     live_stream: Callable[[str], Callable[[], Any]] | None = None
+    # the whole forward around a breakpoint compiled with fullgraph=True (the breakpoint one op
+    # in the graph; modes *-fullcompile); None: not here
+    make_fullcompile_forward: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
+    # the forward with attention as a custom op tagged cudagraph_unsafe, not compiled (the peer
+    # inductor-partition compiles it with graph partition); None: not here
+    make_partition_forward: Callable[[], Callable[..., torch.Tensor]] | None = None
     # tensor parallel: the same forward without its all-reduces (mode floor-no-allreduce)
     make_forward_no_reduce: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
 

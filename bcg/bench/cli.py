@@ -201,7 +201,7 @@ def _cleanup(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _reference(case: Case, sync: Any, compiled: bool = False) -> torch.Tensor:
+def _reference(case: Case, sync: Any, compiled: bool | str = False) -> torch.Tensor:
     """Eager output on the fresh inputs (after one eager warm-up run); ``compiled``: of the
     torch.compile'd forward (what the compile modes must reproduce)."""
     fn = forward_of(case, case.bp, compiled)
@@ -251,7 +251,7 @@ def _check(case: Case, built: Built, ref: torch.Tensor, sync: Any) -> float:
         case.write_inputs(False)
 
 
-def _measure_case(case: Case, modes: list[str], reference: Callable[[bool], torch.Tensor], ctx: BuildContext,
+def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str], torch.Tensor], ctx: BuildContext,
                   iters: int, warmup: int, sync: Any, failed: Callable[[str, Exception], None],
                   skipped: Callable[[str, NotApplicable], None], progress: Callable[[str], None]
                   ) -> list[dict[str, Any]]:
@@ -334,8 +334,11 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             row["allreduce_share"] = 1 - ratio if ratio is not None else None
     floor_compile = next((r for r in rows if r["mode"] == "floor-compile"), None)
+    floor_full = next((r for r in rows if r["mode"] == "floor-fullcompile"), None)
     for row in rows:
         row["ratio_to_floor_compile"] = row["ratio_to_floor_paired"] = row["ratio_to_floor_compile_paired"] = None
+        if floor_full is not None and floor_full["ms_median"] > 0:
+            row["ratio_to_floor_fullcompile_paired"] = paired_ratio(row["samples_ms"], floor_full["samples_ms"])
         row["pool_ratio_to_floor"] = None
         if floor is not None and floor.get("pool_mib") and row.get("pool_mib") is not None:
             row["pool_ratio_to_floor"] = row["pool_mib"] / floor["pool_mib"]
@@ -523,9 +526,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
             for attn, T in module.points(args):
                 case = module.make_case(state, args, device, attn, T)
                 bar.set_description(f"{case.label}: eager reference", refresh=tty)
-                refs: dict[bool, torch.Tensor] = {False: _reference(case, sync)}
+                refs: dict[bool | str, torch.Tensor] = {False: _reference(case, sync)}
 
-                def reference(compiled: bool) -> torch.Tensor:
+                def reference(compiled: bool | str) -> torch.Tensor:
                     if compiled not in refs:
                         refs[compiled] = _reference(case, sync, compiled)
                     return refs[compiled]

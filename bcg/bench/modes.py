@@ -128,7 +128,7 @@ def _held_check(graph: bcg.BreakableGraph) -> dict[str, Any]:
     return {"held_storages": stats.held_storages, "held_check_us": statistics.median(rounds)}
 
 
-def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False) -> Built:
+def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bool | str = False) -> Built:
     """A bare ``bcg.make_graph``: replays on the static inputs, nothing around them."""
     fn = forward_of(case, case.bp, compiled)
     if compiled:
@@ -156,7 +156,7 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
 
 
 def _bcg_runner(
-    case: Case, ctx: BuildContext, executor: str | None, compiled: bool = False, staged: bool = False,
+    case: Case, ctx: BuildContext, executor: str | None, compiled: bool | str = False, staged: bool = False,
     live_stream: Callable[[], Any] | None = None, keyed: bool = False, warm: int = 0, **runner_kwargs: Any,
 ) -> Built:
     """The library as a serving engine uses it: a GraphRunner with one bucket of size T, called
@@ -226,7 +226,7 @@ def _bcg_runner(
     )
 
 
-def _bcg_staged(case: Case, ctx: BuildContext, compiled: bool) -> Built:
+def _bcg_staged(case: Case, ctx: BuildContext, compiled: bool | str) -> Built:
     """:func:`_bcg_runner` over the case's staged form (``case.staged``)."""
     if case.staged is None:
         raise NotApplicable(f"{case.label} has no staged breakpoint here")
@@ -244,7 +244,7 @@ def _bcg_repeating(case: Case, ctx: BuildContext, kind: str, keyed: bool = True)
                        keyed=keyed, warm=2 * policy.window, variants=policy)
 
 
-def _floor(case: Case, ctx: BuildContext, compiled: bool, fn: Callable[..., torch.Tensor] | None = None) -> Built:
+def _floor(case: Case, ctx: BuildContext, compiled: bool | str, fn: Callable[..., torch.Tensor] | None = None) -> Built:
     """The forward with live values frozen (or ``fn``), captured as ONE ``torch.cuda.CUDAGraph``;
     rows have its ``host_us_per_replay`` (one ``replay()``)."""
     fn = fn if fn is not None else forward_of(case, case.bp_frozen, compiled)
@@ -394,6 +394,86 @@ def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_staged_compile(case: Case, ctx: BuildContext) -> Built:
     return _bcg_staged(case, ctx, compiled=True)
+
+
+# -- the whole forward compiled (fullgraph=True), bcg's breakpoints one op each -----------------------
+
+
+@register_mode(
+    "floor-fullcompile",
+    help="the whole forward compiled with fullgraph=True, attention frozen, in ONE torch.cuda.CUDAGraph; "
+    "row has compile_s",
+    available=_compile_reason,
+    compiled="full",
+)
+def build_floor_fullcompile(case: Case, ctx: BuildContext) -> Built:
+    return _floor(case, ctx, compiled="full", fn=forward_of(case, case.bp_frozen, "full"))
+
+
+@register_mode(
+    "bcg-fullcompile",
+    help="bcg.GraphRunner (one bucket = T) over the whole forward compiled with fullgraph=True (each "
+    "breakpoint one op); row has compile_s",
+    available=_compile_reason,
+    compiled="full",
+)
+def build_bcg_fullcompile(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_runner(case, ctx, None, compiled="full")
+
+
+@register_mode(
+    "bcg-staged-fullcompile",
+    help="bcg-staged over the whole forward compiled with fullgraph=True; row has compile_s and inline_fraction",
+    available=_compile_reason,
+    compiled="full",
+)
+def build_bcg_staged_fullcompile(case: Case, ctx: BuildContext) -> Built:
+    return _bcg_staged(case, ctx, compiled="full")
+
+
+def _partition_reason() -> str | None:
+    why = _compile_reason()
+    if why is not None:
+        return why
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        return "this torch has no cudagraph_unsafe tag (Inductor's graph partition needs torch >= 2.9)"
+    return None
+
+
+@register_mode(
+    "inductor-partition",
+    help="the peer: the whole forward compiled with mode='reduce-overhead' and Inductor's graph partition, "
+    "attention a custom op tagged cudagraph_unsafe (run eagerly between Inductor's CUDA graphs), "
+    "torch.compiler.cudagraph_mark_step_begin() per call; row has compile_s (warm-up and recording "
+    "included) and pool_mib (memory reserved by them)",
+    available=_partition_reason,
+    compiled="full",
+)
+def build_inductor_partition(case: Case, ctx: BuildContext) -> Built:
+    if case.make_partition_forward is None:
+        raise NotApplicable(f"{case.label}: no attention op for Inductor's graph partition here")
+    args, fresh_live, sync = case.static_args, case.fresh_live, torch.cuda.synchronize
+    # mode="reduce-overhead" is options={"triton.cudagraphs": True}; torch.compile takes one or the other
+    compiled = torch.compile(case.make_partition_forward(), fullgraph=True, dynamic=False,
+                             options={"triton.cudagraphs": True, "graph_partition": True})
+    sync()
+    reserved = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    with bcg.live_scope(case.live):
+        for _ in range(3):  # compile, warm up, record (cudagraph trees record at the later calls)
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(*args)
+    sync()
+    compile_s = time.perf_counter() - t0
+    mark = torch.compiler.cudagraph_mark_step_begin
+
+    def run() -> torch.Tensor:
+        mark()
+        with bcg.live_scope(fresh_live()):
+            return compiled(*args)
+
+    return Built(run=run, capture_s=None, pool_bytes=max(torch.cuda.memory_reserved() - reserved, 0),
+                 info={"compile_s": compile_s})
 
 
 @register_mode(

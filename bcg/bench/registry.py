@@ -65,8 +65,9 @@ class ModeSpec:
     help: str
     # returns None when the mode can run here, else why it is skipped
     available: Callable[[], str | None]
-    # runs the torch.compile'd forward: rel_err is measured against it run eagerly
-    compiled: bool = False
+    # runs a torch.compile'd forward (True: its regions; "full": the whole forward): rel_err is
+    # measured against that forward run eagerly
+    compiled: bool | str = False
 
 
 MODES: dict[str, ModeSpec] = {}
@@ -78,7 +79,7 @@ def register_mode(
     needs_cuda: bool = True,
     help: str = "",  # noqa: A002
     available: Callable[[], str | None] | None = None,
-    compiled: bool = False,
+    compiled: bool | str = False,
 ) -> Callable[[Callable[[Case, BuildContext], Built]], Callable[[Case, BuildContext], Built]]:
     """Register ``build`` as mode ``name`` (order of registration = order of runs)."""
 
@@ -137,10 +138,15 @@ def capture_stream_warmup(fn: Callable[..., Any], args: tuple[Any, ...], n: int,
     return stream
 
 
-def forward_of(case: Case, bp: Callable[..., Any], compiled: bool) -> Callable[..., torch.Tensor]:
-    """The case's forward around ``bp``: eager regions, or the torch.compile'd ones."""
+def forward_of(case: Case, bp: Callable[..., Any], compiled: bool | str) -> Callable[..., torch.Tensor]:
+    """The case's forward around ``bp``: eager regions, the torch.compile'd ones (``True``), or
+    the whole forward compiled with ``fullgraph=True`` (``"full"``)."""
     if not compiled:
         return case.forward(bp)
+    if compiled == "full":
+        if case.make_fullcompile_forward is None:
+            raise NotApplicable(f"{case.workload} has no whole-forward compile here")
+        return case.make_fullcompile_forward(bp)
     if case.make_compiled_forward is None:
         raise NotApplicable(f"{case.workload} has no torch.compile'd variant here")
     return case.make_compiled_forward(bp)

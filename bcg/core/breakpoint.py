@@ -18,15 +18,19 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
+from bcg.core.compiled import opaque_op
 from bcg.core.torch_internals import pytree
 
 from bcg.errors import LiveReadInSegmentError, user_line
+
+log = logging.getLogger("bcg")
 
 # -- live metadata ---------------------------------------------------------------------------
 
@@ -327,6 +331,7 @@ def breakpoint(
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
+    fake: Callable[..., Any] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -341,6 +346,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
     prepare: Callable[[Any], Any] | None = None,
     fits: Callable[..., bool] | None = None,
     key: Callable[[Any], Any] | None = None,
+    fake: Callable[..., Any] | None = None,
 ) -> Any:
     """Mark ``fn`` as work that must run eagerly at every replay.
 
@@ -366,6 +372,10 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             captured once per key (a *variant*) and replayed from then on, and a
             forward whose breakpoints all hit runs as one stitched graph; see
             :mod:`bcg.keyed.variants` for the contract.
+        fake: for a breakpoint that returns tensors and is called from
+            ``torch.compile``d code: a function of the same arguments that
+            returns empty tensors of the results' shapes and dtypes (what
+            ``torch.library.register_fake`` takes); see below.
 
     Constraints:
         * Tensor arguments are held by the graph and passed again, at the same
@@ -378,8 +388,14 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
           offset, shape, strides, dtype) is taken as written in place and must be
           that same argument at every replay; any other result, views of arguments
           included, is copied into a bridge.
-        * Inside ``torch.compile``d code a breakpoint is a Dynamo graph break
-          (``torch.compiler.disable``): it is never traced and runs eagerly.
+        * Inside ``torch.compile``d code (``fullgraph=True`` too) a breakpoint is
+          one opaque custom op (``bcg::<name>``), never traced: its parameters
+          must be annotated with types ``torch.library.custom_op`` takes
+          (``torch.Tensor``, ``int``, ``float``, ``bool``, ``str``, lists and
+          optionals of those), it must return ``None`` or be given ``fake=``,
+          and ``mutates=`` must name what it writes (else any tensor argument
+          may be written, which costs the compiled code copies). A breakpoint
+          that cannot be an op is a Dynamo graph break instead.
     """
     if (prepare is None) != (fits is None):
         raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
@@ -404,16 +420,27 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         )
         active = ACTIVE.get
 
-        # torch.compiler.disable: inside compiled code, a graph break Dynamo never traces into.
-        # Replays do not go through this wrapper: they call the function directly.
+        # The breakpoint's dispatch: eager, or the active capture's. torch.compiler.disable:
+        # Dynamo never traces into it. Replays do not come here: they call the function directly.
         @torch.compiler.disable
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             recorder = active()
             if recorder is None:
                 return f(*args, **kwargs)
             return recorder.call_breakpoint(spec, args, kwargs)
 
-        functools.update_wrapper(wrapper, f)
+        op, why = opaque_op(f, spec.name, spec.mutates, call, fake)
+        if op is None:
+            log.debug("bcg: breakpoint %r is a graph break in compiled code, not an op: %s", spec.name, why)
+            wrapper = call
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if torch.compiler.is_compiling():  # Dynamo traces this call: record the op
+                    return op(*args, **kwargs)
+                return call(*args, **kwargs)
+
+        wrapper = functools.update_wrapper(wrapper, f)
         wrapper.__bcg_breakpoint__ = spec  # type: ignore[attr-defined]
         return wrapper
 

@@ -2,9 +2,10 @@
 
 Inductor's kernels (Triton and library calls) are ordinary CUDA work on the
 current stream, so a capture records them in the current segment like any other
-kernel; a breakpoint inside compiled code is a Dynamo graph break (see
-:mod:`bcg.breakpoint`). Two things need care, and this module handles them for
-the duration of one capture:
+kernel. A breakpoint called from code Dynamo traces is an opaque custom op
+(:func:`opaque_op`) where its signature allows, so whole-model compiles with
+``fullgraph=True`` keep their breakpoints; otherwise it is a graph break. Two
+things need care, and this module handles them for the duration of one capture:
 
 * Inductor's own CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``,
   i.e. cudagraph trees) are **switched off** while a bcg capture runs: compiled
@@ -24,10 +25,16 @@ Nothing here imports Inductor: when it is not loaded there is nothing to switch.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import re
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+import torch
 
 from bcg.core.torch_internals import dynamo_graphs, inductor_config
 
@@ -109,3 +116,57 @@ class CompileWatch:
             "compiled code eagerly once on every shape you capture before capturing (bcg.make_graph "
             "and bcg.GraphRunner warm up for you)"
         )
+
+
+# -- breakpoints in traced code ------------------------------------------------------------------
+
+_OP_NAMESPACE = "bcg"
+_op_names: set[str] = set()  # names taken in the namespace (torch cannot unregister a custom op)
+_op_names_lock = threading.Lock()
+
+
+def _op_name(name: str) -> str:
+    base = re.sub(r"\W+", "_", name).strip("_") or "breakpoint"
+    with _op_names_lock:
+        candidate, k = base, 1
+        while candidate in _op_names:
+            k += 1
+            candidate = f"{base}_{k}"
+        _op_names.add(candidate)
+    return candidate
+
+
+def opaque_op(fn: Callable[..., Any], name: str, mutates: tuple[str, ...] | None, call: Callable[..., Any],
+              fake: Callable[..., Any] | None) -> tuple[Any, str | None]:
+    """A ``torch.library`` custom op that Dynamo records, opaque, where traced code calls the
+    breakpoint ``fn``; running it calls ``call`` (the breakpoint's own dispatch: eager, or the
+    active capture's). Returns ``(op, None)``, or ``(None, why)`` when ``fn`` cannot be one.
+
+    The op's schema comes from ``fn``'s annotations (``torch.library.custom_op``);
+    ``mutates`` become its mutated arguments (``None``: ``"unknown"``, any of them).
+    Its fake (meta) implementation is ``fake``, else, for a function annotated to
+    return ``None``, one that returns nothing.
+    """
+    try:
+        returns = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError) as exc:
+        return None, f"no signature ({exc})"
+    if fake is None and returns not in (None, "None"):
+        return None, "it returns values and has no fake=: give @bcg.breakpoint(fake=...) a function of the " \
+                     "same arguments that returns empty tensors of the result's shapes and dtypes"
+
+    @functools.wraps(fn)  # (the op's schema is read from fn's signature through __wrapped__)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    try:
+        op = torch.library.custom_op(f"{_OP_NAMESPACE}::{_op_name(name)}",
+                                     mutates_args=mutates if mutates is not None else "unknown")(run)
+        op.register_fake(fake if fake is not None else _returns_nothing)
+    except Exception as exc:  # no schema for its annotations (untyped, *args, a non-tensor container ...)
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return op, None
+
+
+def _returns_nothing(*args: Any, **kwargs: Any) -> None:
+    return None

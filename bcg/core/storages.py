@@ -188,6 +188,9 @@ class StorageWatch(TorchDispatchMode):
             (False while a breakpoint runs eagerly between segments).
     """
 
+    # compiled graphs call breakpoints' ops through higher-order operators (auto_functionalized)
+    supports_higher_order_operators = True
+
     @classmethod
     def is_infra_mode(cls) -> bool:
         # Dynamo runs torch.compile'd code eagerly under any dispatch mode that is not an infra

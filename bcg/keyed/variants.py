@@ -275,6 +275,9 @@ class _LiveTensorRead(RuntimeError):
 class _WatchLiveTensors(TorchDispatchMode):
     """Raises when an ATen op reads or writes one of the live metadata's CUDA tensors."""
 
+    # compiled graphs call breakpoints' ops through higher-order operators (auto_functionalized)
+    supports_higher_order_operators = True
+
     def __init__(self, storages: set[int]) -> None:
         super().__init__()
         self._storages = storages

@@ -83,6 +83,9 @@ class _DispatchStorages(TorchDispatchMode):
     :class:`_AllocatorStorages` instead.
     """
 
+    # compiled graphs call breakpoints' ops through higher-order operators (auto_functionalized)
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.storages: set[int] = set()

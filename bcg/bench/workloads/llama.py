@@ -45,6 +45,7 @@ import inspect
 import itertools
 import random
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -728,6 +729,35 @@ class StagedAttention:
         return bcg.StagedTiers(*lives, Batch(tuple(lengths_for(n, self.slots))))
 
 
+_PARTITION_OPS: dict[str, Any] = {}
+
+
+def partition_attention(attn: str) -> Any:
+    """The ``flash``/``varlen`` attention as a custom op tagged ``cudagraph_unsafe`` (made once):
+    what a user of Inductor's graph partition writes (mode ``inductor-partition``). It reads the
+    batch from :func:`bcg.live` as the breakpoints do, and runs eagerly between Inductor's graphs."""
+    op = _PARTITION_OPS.get(attn)
+    if op is None:
+        fn = flash_attention if attn == "flash" else varlen_attention
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+            fn(q, k, v, out)
+
+        op = torch.library.custom_op(f"bcg_bench::attention_{attn}_unsafe", mutates_args=("out",),
+                                     tags=(torch.Tag.cudagraph_unsafe,))(attention)
+        op.register_fake(lambda q, k, v, out: None)
+        _PARTITION_OPS[attn] = op
+    return op
+
+
+def compiled_whole(fn: Any, **compile_kwargs: Any) -> Any:
+    """``fn`` (a forward) compiled whole with ``fullgraph=True``, static shapes, through a code object
+    of its own: Dynamo keeps its compiled code per code object (at most ``recompile_limit`` entries),
+    and every mode's forward is the same lambda around another breakpoint."""
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, fullgraph=True, dynamic=False, **compile_kwargs)
+
+
 def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
     """The same attention with the lengths frozen now: capturable inside one CUDA graph."""
     if attn == "unfused":
@@ -787,6 +817,11 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         new_live=lambda: Batch.build(lengths, device),
         make_forward=make_forward,
         make_compiled_forward=make_compiled_forward if compile_usable(device) is None and model.tp is None else None,
+        make_fullcompile_forward=((lambda bp: compiled_whole(make_forward(bp)))
+                                  if compile_usable(device) is None and model.tp is None else None),
+        make_partition_forward=((lambda: make_forward(partition_attention(attn)))
+                                if attn in _BACKENDS and _BACKENDS[attn][1](device)
+                                and hasattr(torch.Tag, "cudagraph_unsafe") and model.tp is None else None),
         make_forward_no_reduce=make_forward_no_reduce if model.tp is not None else None,
         bp=bp,
         bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
