@@ -135,6 +135,26 @@ def test_an_annotated_breakpoint_is_one_op_under_fullgraph_and_runs_at_every_cal
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+def test_a_breakpoint_op_is_kept_out_of_inductors_cuda_graphs() -> None:
+    """The op is tagged cudagraph_unsafe: Inductor partitions its CUDA graphs around it
+    (reduce-overhead), so a breakpoint never runs inside a graph Inductor records."""
+    torch._dynamo.reset()
+    f, _ = _scaled_model()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    with bcg.live_scope(2.0):
+        torch.compile(f, fullgraph=True, backend=backend)(torch.randn(8))
+    ops = [n.target for gm in graphs for n in gm.graph.nodes
+           if n.op == "call_function" and getattr(n.target, "namespace", None) == "bcg"]
+    assert len(ops) == 2
+    assert all(torch.Tag.cudagraph_unsafe in op.tags for op in ops)
+
+
 def test_a_breakpoint_returning_tensors_is_an_op_with_fake() -> None:
     torch._dynamo.reset()
 

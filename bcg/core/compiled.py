@@ -123,6 +123,8 @@ class CompileWatch:
 _OP_NAMESPACE = "bcg"
 _op_names: set[str] = set()  # names taken in the namespace (torch cannot unregister a custom op)
 _op_names_lock = threading.Lock()
+# Inductor keeps ops with this tag out of the CUDA graphs it records (torch >= 2.9)
+_UNSAFE_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 def _op_name(name: str) -> str:
@@ -145,7 +147,10 @@ def opaque_op(fn: Callable[..., Any], name: str, mutates: tuple[str, ...] | None
     The op's schema comes from ``fn``'s annotations (``torch.library.custom_op``);
     ``mutates`` become its mutated arguments (``None``: ``"unknown"``, any of them).
     Its fake (meta) implementation is ``fake``, else, for a function annotated to
-    return ``None``, one that returns nothing.
+    return ``None``, one that returns nothing. It is tagged ``cudagraph_unsafe``: a
+    breakpoint never runs inside a CUDA graph that Inductor records
+    (``mode="reduce-overhead"``), which partitions its graphs around the op instead
+    (graph partition), or runs that graph without CUDA graphs.
     """
     try:
         returns = inspect.signature(fn).return_annotation
@@ -161,7 +166,8 @@ def opaque_op(fn: Callable[..., Any], name: str, mutates: tuple[str, ...] | None
 
     try:
         op = torch.library.custom_op(f"{_OP_NAMESPACE}::{_op_name(name)}",
-                                     mutates_args=mutates if mutates is not None else "unknown")(run)
+                                     mutates_args=mutates if mutates is not None else "unknown",
+                                     tags=_UNSAFE_TAGS)(run)
         op.register_fake(fake if fake is not None else _returns_nothing)
     except Exception as exc:  # no schema for its annotations (untyped, *args, a non-tensor container ...)
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
