@@ -592,6 +592,48 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
         graph.reset()
 
 
+def test_a_switchable_block_with_side_stream_work_skips_only_its_own_nodes() -> None:
+    """Side-stream work forked and joined inside the block is the block's: skipped with it.
+    Side-stream work recorded before the block and joined inside it is not: bcg cannot
+    tell the block's nodes apart, so the group always runs (never the earlier work)."""
+    x = torch.randn(256, device="cuda")
+    a = torch.zeros(256, device="cuda")
+    b = torch.zeros(256, device="cuda")
+    side = torch.cuda.Stream()
+
+    def joined(t: torch.Tensor) -> torch.Tensor:
+        h = t * 2
+        with bcg.core.session.switchable("s"):
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                a.add_(1)
+            main.wait_stream(side)
+        return h + 1
+
+    def earlier(t: torch.Tensor) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            b.add_(1)  # before the block
+        h = t * 2
+        with bcg.core.session.switchable("s"):
+            a.add_(1)
+            main.wait_stream(side)  # joined inside it
+        return h + 1
+
+    for fn, switchable in ((joined, True), (earlier, False)):
+        graph, y = _capture(fn, x)
+        assert graph.set_enabled("s", False) == switchable
+        da, db = a.clone(), b.clone()
+        graph.replay()
+        torch.testing.assert_close(y, x * 2 + 1, rtol=0, atol=0)
+        torch.testing.assert_close(a - da, torch.full_like(a, 0.0 if switchable else 1.0), rtol=0, atol=0)
+        if fn is earlier:
+            torch.testing.assert_close(b - db, torch.ones_like(b), rtol=0, atol=0)  # always runs
+        graph.reset()
+
+
 def test_stats_count_kernel_nodes_per_segment() -> None:
     @bcg.breakpoint
     def bp(t: torch.Tensor) -> None:

@@ -114,6 +114,60 @@ def join_forked_work(stream: int) -> int:
     return len(missing)
 
 
+def graph_node_count(graph: int) -> int:
+    rt = runtime()
+    return int(check(rt.cudaGraphGetNodes(graph, 0))[-1])
+
+
+def node_dependencies(node: Any) -> list[Any]:
+    rt = runtime()
+    n = check(rt.cudaGraphNodeGetDependencies(node, 0))[-1]
+    if n == 0:
+        return []
+    return list(check(rt.cudaGraphNodeGetDependencies(node, n))[0])[:n]
+
+
+class CaptureMark:
+    """Where the capture active on a stream stands now, to list the nodes recorded after it.
+
+    :meth:`added` walks back from the stream's current dependencies to the ones
+    marked, so its cost follows the nodes added, not the graph's size. It
+    returns ``None`` where that walk cannot account for every node added (work
+    on another stream not joined back yet, or a join of work recorded before
+    the mark): the caller then treats the nodes as unknown.
+    """
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+        status, _, self.graph, deps = capture_info(stream)
+        self.active = status == "active" and bool(self.graph)
+        self.deps = {int(d) for d in deps}
+        self.count = graph_node_count(self.graph) if self.active else 0
+
+    def added(self) -> list[Any] | None:
+        if not self.active:
+            return []
+        status, _, graph, deps = capture_info(self.stream)
+        if status != "active" or graph != self.graph:
+            return None
+        expected = graph_node_count(graph) - self.count
+        found: dict[int, Any] = {}
+        todo = [d for d in deps if int(d) not in self.deps]
+        while todo:
+            node = todo.pop()
+            key = int(node)
+            if key in found:
+                continue
+            found[key] = node
+            if len(found) > expected:
+                return None
+            parents = node_dependencies(node)
+            if not parents and self.deps:
+                return None  # a root that is not the mark's: recorded before it
+            todo.extend(p for p in parents if int(p) not in self.deps)
+        return list(found.values()) if len(found) == expected else None
+
+
 def capture_nodes(stream: int) -> list[Any]:
     """The nodes recorded so far by the capture active on ``stream`` (none when it is not capturing)."""
     status, _, graph, _ = capture_info(stream)

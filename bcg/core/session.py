@@ -234,8 +234,7 @@ class CaptureSession(Recorder):
     def switchable(self, label: str) -> Iterator[None]:
         """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
         graph = self._current
-        # Lists the open segment's nodes twice per block: capture-time cost only.
-        before = {int(n) for n in cudart.capture_nodes(self.stream_handle)} if graph is not None else set()
+        mark = cudart.CaptureMark(self.stream_handle) if graph is not None else None
         copies = self.stager.copies
         yield
         if graph is None or self._current is not graph:
@@ -247,7 +246,13 @@ class CaptureSession(Recorder):
             log.debug("bcg: switchable(%r) holds a staged breakpoint's copy, which every replay's prepare "
                       "writes: its nodes always run", label)
             return
-        added = [n for n in cudart.capture_nodes(self.stream_handle) if int(n) not in before]
+        assert mark is not None
+        added = mark.added()
+        if added is None:
+            self.unswitchable.add(label)
+            log.debug("bcg: switchable(%r) recorded work bcg cannot tell apart from the work before it "
+                      "(another stream's, not joined back in the block): its nodes always run", label)
+            return
         kinds = {cudart.node_type(n) for n in added}
         if not kinds <= cudart.SWITCHABLE_NODE_TYPES:
             self.unswitchable.add(label)
