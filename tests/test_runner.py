@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
 
 import pytest
@@ -152,7 +153,7 @@ def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_fi
     call(6)  # bucket 8: eager, then captured
     stats = runner.stats()
     assert stats["fallbacks"]["not_captured_yet"] == 1 and stats["graph_calls"] == 0
-    assert runner.captured_buckets == [8] and stats["captures"] == {"capture()": 0, "lazy": 1}
+    assert runner.captured_buckets == [8] and stats["captures"] == {"capture()": 0, "lazy": 1, "background": 0}
     call(7)  # bucket 8 again: its graph (eager mode: the padded forward)
     stats = runner.stats()
     assert stats["fallbacks"]["not_captured_yet"] == 1 and stats["replays"][8] == 1
@@ -160,7 +161,7 @@ def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_fi
     assert runner.captured_buckets == [8, 16]
     runner.capture()  # the rest
     stats = runner.stats()
-    assert runner.captured_buckets == [4, 8, 16] and stats["captures"] == {"capture()": 1, "lazy": 2}
+    assert runner.captured_buckets == [4, 8, 16] and stats["captures"] == {"capture()": 1, "lazy": 2, "background": 0}
     call(3)
     assert runner.stats()["fallbacks"]["not_captured_yet"] == 2 and runner.stats()["replays"][4] == 1
 
@@ -175,6 +176,120 @@ def test_a_lazy_runners_input_buffers_exist_before_any_call() -> None:
         expected = model(x.clone(), pos.clone())
     torch.testing.assert_close(runner(x, pos, live=_live(6)), expected, rtol=1e-5, atol=1e-5)
     assert runner.captured_buckets == [8]
+
+
+def test_a_background_capture_serves_calls_eagerly_until_each_bucket_is_captured() -> None:
+    """capture(background=True) returns at once. While the capture thread is inside a bucket's
+    warm-up (holding the call lock), calls of buckets not captured yet run eagerly without
+    waiting; once it is done every bucket replays, counted as captured by "background"."""
+    model = _llama()
+    inside, release = threading.Event(), threading.Event()
+    capture_thread: list[threading.Thread] = []
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == 16:
+            capture_thread.append(threading.current_thread())
+            inside.set()
+            assert release.wait(30)  # the background thread holds the call lock here
+        return _live(n)
+
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    assert runner.capture(background=True) is runner
+    assert inside.wait(30) and runner.stats()["capturing"]
+    gen = torch.Generator().manual_seed(2)
+
+    def call(T: int) -> None:
+        x, pos = torch.randn(T, HIDDEN, generator=gen), torch.arange(T)
+        y = runner(x, pos, live=_live(T))
+        with bcg.live_scope(_live(T)), torch.no_grad():
+            torch.testing.assert_close(y, model(x, pos), rtol=1e-5, atol=1e-5)
+
+    for T in (3, 6, 12):  # every bucket still uncaptured: eager, not blocked by the capture
+        call(T)
+    assert runner.stats()["fallbacks"]["not_captured_yet"] == 3 and runner.captured_buckets == []
+    release.set()
+    assert runner.wait_captured(30)
+    assert capture_thread and not capture_thread[0].is_alive()
+    stats = runner.stats()
+    assert runner.captured_buckets == [4, 8, 16] and not stats["capturing"]
+    assert stats["captures"] == {"capture()": 0, "lazy": 0, "background": 3}
+    for T in (3, 6, 12, 16):
+        call(T)
+    stats = runner.stats()
+    assert stats["fallbacks"]["not_captured_yet"] == 3 and stats["graph_calls"] == 4
+    for background in (False, True):  # nothing left to capture
+        with pytest.raises(bcg.BcgError, match="already captured"):
+            runner.capture(background=background)
+
+
+def test_calls_on_the_runners_own_buffers_wait_for_the_bucket_being_captured() -> None:
+    """input_buffers() are the static inputs a capture rewrites: a call on them takes the call
+    lock, so it runs after the bucket's capture, with its own values."""
+    model = _llama()
+    inside, release = threading.Event(), threading.Event()
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == 8:
+            inside.set()
+            assert release.wait(30)
+        return _live(n)
+
+    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live,
+                     lazy=True)  # (input_buffers before any capture)
+    x, pos = runner.input_buffers(6)
+    x.copy_(torch.randn(6, HIDDEN))
+    pos.copy_(torch.arange(6))
+    with bcg.live_scope(_live(6)), torch.no_grad():
+        expected = model(x.clone(), pos.clone())
+    runner.capture(background=True)
+    assert inside.wait(30)
+    done = threading.Event()
+    result: list[torch.Tensor] = []
+
+    def caller() -> None:
+        result.append(runner(x, pos, live=_live(6)).clone())
+        done.set()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert not done.wait(0.3)  # waits for the bucket's capture (which holds the lock)
+    release.set()
+    thread.join(30)
+    assert done.is_set()
+    torch.testing.assert_close(result[0], expected, rtol=1e-5, atol=1e-5)
+    assert runner.wait_captured(30)
+
+
+def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
+    model = _llama()
+    inside, release = threading.Event(), threading.Event()
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == 16:
+            inside.set()
+            assert release.wait(30)
+        return _live(n)
+
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner.capture(background=True)
+    assert inside.wait(30)
+    threading.Timer(0.2, release.set).start()
+    runner.reset()  # stops after the bucket under way
+    assert not runner.stats()["capturing"] and runner.captured_buckets == []
+    assert runner.wait_captured(0)
+    release.set()
+    runner.capture()
+    assert runner.captured_buckets == [4, 8, 16] and runner.stats()["captures"]["capture()"] == 3
+
+
+def test_a_background_capture_is_refused_with_ranks() -> None:
+    class _Ranks:  # (never used: refused before anything runs)
+        same_inputs = True
+
+    runner = _runner(_llama(), [4], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live,
+                     ranks=_Ranks())  # type: ignore[arg-type]
+    with pytest.raises(bcg.BcgError, match="ranks"):
+        runner.capture(background=True)
 
 
 def test_a_runner_that_is_not_lazy_refuses_calls_before_capture() -> None:

@@ -121,6 +121,50 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
     runner.reset()
 
 
+@pytest.mark.parametrize("own_buffers", [False, True])
+def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(own_buffers: bool) -> None:
+    """capture(background=True): this thread calls the runner continuously while the ladder
+    captures on the runner's thread ("thread_local", on bcg's capture stream). Every call is
+    right: eager (unpadded) while its bucket is not captured yet, bit-identical to eager on the
+    padded input once it is; calls on input_buffers() too (a capture gives them their values back)."""
+    model = _model()
+    buckets = [16, 32, 64, 128, 256]
+    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live, progress=False)
+    gen = torch.Generator().manual_seed(4)
+    assert runner.capture(background=True) is runner
+    eager_calls = graph_calls = after = 0
+    while after < 10:
+        if not runner.stats()["capturing"]:
+            after += 1  # a few more calls once the ladder is captured
+        T = int(torch.randint(1, buckets[-1] + 1, (1,), generator=gen))
+        x, pos, live = _batch(T, gen)
+        n = runner.bucket_for(T)
+        before = runner.stats()["fallbacks"]["not_captured_yet"]
+        if own_buffers:
+            bx, bpos = runner.input_buffers(T)
+            bx.copy_(x)
+            bpos.copy_(pos)
+            y = runner(bx, bpos, live=live).clone()
+        else:
+            y = runner(x, pos, live=live).clone()
+        eager = runner.stats()["fallbacks"]["not_captured_yet"] > before
+        if eager:
+            with bcg.live_scope(live), torch.no_grad():
+                expected = model(x, pos)
+            eager_calls += 1
+        else:
+            expected = _padded_eager(model, x, live, n)
+            graph_calls += 1
+        assert torch.equal(y, expected), f"T={T}, bucket {n}, {'eager' if eager else 'replayed'}"
+    assert runner.wait_captured(60)
+    stats = runner.stats()
+    assert runner.captured_buckets == buckets and stats["captures"]["background"] == len(buckets)
+    assert graph_calls >= 10 and eager_calls + graph_calls == stats["calls"]
+    assert runner.graph(16).stats().pool_bytes == stats["pool_bytes"] > 0  # one pool for every bucket
+    runner.reset()
+
+
 @pytest.mark.parametrize("sanitize", [True, False])
 def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.MonkeyPatch, sanitize: bool) -> None:
     """Calls on ``input_buffers(T)`` copy nothing and match eager (without sanitizing, the rows

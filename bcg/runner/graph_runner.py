@@ -37,7 +37,8 @@ from bcg.staged.staging import StagedTiers, StagedWarmup
 log = logging.getLogger("bcg")
 
 #: The reasons a call runs ``forward`` eagerly instead of replaying a graph (``"not_captured_yet"``:
-#: ``lazy=True``, the call's bucket is captured right after it).
+#: ``lazy=True``, the call's bucket is captured right after it; or a background capture has not
+#: reached it yet).
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet")
 
 
@@ -51,6 +52,7 @@ _ROUTE = "route (k >= 0 form k, {}, {} raised)".format(
 
 
 _MODES = ("graph", "eager")
+_NOT_EAGER = object()  # _eager_while_capturing: the call goes the usual way, under the call lock
 
 _current_device = stream_readers()[0]
 
@@ -66,7 +68,7 @@ class _Bucket:
     slice_dims: list[tuple[int, ...]] = field(default_factory=list)
     failure: str | None = None
     captured: bool = False
-    trigger: str | None = None  # what captured it: "capture()" or "lazy" (a call)
+    trigger: str | None = None  # what captured it: "capture()", "lazy" (a call) or "background"
     capture_s: float = 0.0
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
@@ -117,7 +119,8 @@ class GraphRunner:
     captured yet runs ``forward`` eagerly (unpadded, as the other fallbacks), then
     captures that bucket before it returns; later calls replay it
     (``stats()["captures"]`` counts captures by trigger). ``capture()`` then
-    captures the buckets not captured yet.
+    captures the buckets not captured yet. ``capture(background=True)``
+    captures on a thread of its own while calls are served (see there).
     ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
     each call picks the bucket of the largest ``T`` of all ranks and one form
@@ -199,6 +202,10 @@ class GraphRunner:
         lock = PoolCallLock()
         self._lock = POOL_LOCKS.for_pool(pool, lock) if pool is not None else lock
         self._largest_alone: int | None = None
+        self._background: threading.Thread | None = None  # capture(background=True)'s thread
+        self._background_error: BaseException | None = None
+        self._stop_background = threading.Event()
+        self._counts_lock = threading.Lock()  # fallbacks are counted by calls outside the call lock too
         self._clear_state()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -303,7 +310,7 @@ class GraphRunner:
             current.wait_stream(self._stream)
 
     # -- capture ------------------------------------------------------------------------------
-    def capture(self) -> GraphRunner:
+    def capture(self, background: bool = False) -> GraphRunner:
         """Warm up and capture every bucket, largest first, into one pool on one capture stream.
 
         Shows a tqdm progress bar (``progress=False`` hides it), records
@@ -312,16 +319,34 @@ class GraphRunner:
         skipped (see the module documentation). In eager mode each bucket is
         run once instead. With ``lazy=True``, captures the buckets that calls
         have not captured yet. Returns the runner.
+
+        Arguments:
+            background: return at once and capture on a thread of its own
+                (:meth:`wait_captured` waits for it). Calls are served
+                meanwhile: eagerly (fallback ``"not_captured_yet"``) while
+                their bucket is not captured, by its graph once it is. Each
+                bucket's warm-up and capture hold the call lock (they write the
+                static inputs and the pool that replays use), so a call that
+                needs them waits for at most one bucket; a call running eagerly
+                on inputs of its own does not wait. The captures use
+                ``capture_error_mode="thread_local"`` whatever the runner's.
+
+        .. warning::
+            While a background capture runs, code on other threads must not
+            synchronize the whole device (``torch.cuda.synchronize()``): CUDA
+            refuses that during any capture. Synchronize streams or events.
         """
+        if background:
+            return self._start_background()
+        self.wait_captured()  # (a background capture first finishes what it does)
         with self._lock.lock, self._capturing(), self._on_device():
-            if self._captured and not self._lazy:
+            if self._captured and not self._lazy and not self._uncaptured():
                 raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
             t_start = time.perf_counter()
             self._prepare_captures()
             from tqdm import tqdm
 
-            order = [n for n in sorted(self._buckets_list, reverse=True)
-                     if not self._buckets[n].captured and self._buckets[n].failure is None]
+            order = self._uncaptured()
             bar = tqdm(order, desc="bcg capture", unit="bucket", disable=not self._progress)
             for n in bar:
                 bar.set_postfix_str(f"bucket {n}", refresh=False)
@@ -388,6 +413,106 @@ class GraphRunner:
             self._capture_total_s += time.perf_counter() - t_start
         log.info("bcg.GraphRunner(%s): bucket %d captured after a call (lazy) in %.2f s",
                  self.name, bucket.size, bucket.capture_s)
+
+    def _start_background(self) -> GraphRunner:
+        if self._ranks is not None:
+            raise BcgError("capture(background=True) is not available with ranks=: every rank must "
+                           "capture a bucket at the same point of its calls; capture() before serving")
+        with self._lock.lock:
+            if self._background is not None and self._background.is_alive():
+                raise BcgError("this GraphRunner is already capturing in the background: wait_captured() first")
+            if self._captured and not self._lazy and not self._uncaptured():
+                raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
+            with self._on_device():
+                self._setup()
+            self._captured = True  # calls are served from now on
+            self._background_error = None
+            self._stop_background.clear()
+            thread = threading.Thread(target=self._capture_in_background, name=f"bcg-capture-{self.name}",
+                                      daemon=True)
+            self._background = thread
+        thread.start()
+        return self
+
+    def _capture_in_background(self) -> None:
+        """The background thread: each bucket largest first, under the call lock, in thread_local mode."""
+        t_start = time.perf_counter()
+        try:
+            with self._on_device():
+                static, _ = self._setup()
+                with self._lock.lock, self._capturing():
+                    self._order_with_calls()
+                    with static.preserved([self._probe_size]):
+                        self._prepare_captures()
+                    self._order_with_calls()
+                for n in sorted(self._buckets_list, reverse=True):
+                    if self._stop_background.is_set():
+                        break
+                    with self._lock.lock, self._capturing():
+                        bucket = self._buckets[n]
+                        if bucket.captured or bucket.failure is not None:
+                            continue  # (a lazy call captured it meanwhile)
+                        self._order_with_calls()
+                        mode, self._capture_error_mode = self._capture_error_mode, "thread_local"
+                        try:
+                            # The capture loads the example into the static inputs, which calls
+                            # may have filled (input_buffers): they get their values back.
+                            with static.preserved([n]):
+                                self._capture_one(bucket, "background")
+                        finally:
+                            self._capture_error_mode = mode
+                            self._order_with_calls()
+                        self._finish_bucket(bucket)
+        except BaseException as exc:  # (a bucket's own failure is caught in _capture_one)
+            self._background_error = exc
+            log.error("bcg.GraphRunner(%s): the background capture stopped: %s: %s",
+                      self.name, type(exc).__name__, exc, exc_info=exc)
+        finally:
+            self._capture_total_s += time.perf_counter() - t_start
+            log.info("bcg.GraphRunner(%s): background capture done: %d of %d bucket(s) in %.2f s",
+                     self.name, len(self.captured_buckets), len(self._buckets_list),
+                     time.perf_counter() - t_start)
+
+    def _order_with_calls(self) -> None:
+        """Order the capture thread's work after the last call's (its replay may still run on the
+        GPU: the warm-ups write the pool), and the next call after this thread's work on the
+        static inputs and the pool, whatever streams the calls use (``PoolCallLock.serialize_streams``)."""
+        if self._mode == "graph":
+            self._lock.serialize_streams(self._device.index or 0)
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """Wait for a background capture (:meth:`capture` with ``background=True``) to finish.
+
+        Returns ``False`` when ``timeout`` (seconds) passed first, ``True`` otherwise (also
+        when none runs).
+
+        Raises:
+            BcgError: the background capture stopped on an error (the error is its cause).
+        """
+        thread = self._background
+        if thread is None:
+            return True
+        if thread is threading.current_thread():
+            raise BcgError("wait_captured() was called from the runner's own capture thread")
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        error, self._background_error = self._background_error, None
+        if self._background is thread:
+            self._background = None
+        if error is not None:
+            raise BcgError(f"GraphRunner({self.name}): the background capture stopped: "
+                           f"{type(error).__name__}: {error}") from error
+        return True
+
+    def _uncaptured(self) -> list[int]:
+        """The buckets neither captured nor failed, largest first."""
+        return [n for n in sorted(self._buckets_list, reverse=True)
+                if not self._buckets[n].captured and self._buckets[n].failure is None]
+
+    def _capturing_in_background(self) -> bool:
+        thread = self._background
+        return thread is not None and thread.is_alive()
 
     def _capture_bucket(self, bucket: _Bucket) -> None:
         n = bucket.size
@@ -570,6 +695,10 @@ class GraphRunner:
         (:meth:`bcg.distributed.RankAgreement.expect_same`; a difference raises
         :class:`bcg.ReplayError` at the next call).
         """
+        if self._capturing_in_background() and bucket is None and self._ranks is None:
+            out = self._eager_while_capturing(inputs, live)
+            if out is not _NOT_EAGER:
+                return out
         with self._lock.lock:
             if not self._captured:
                 if not self._lazy:
@@ -633,9 +762,12 @@ class GraphRunner:
         chosen = self._buckets[n]
         if chosen.failure is not None:
             return self._fallback("capture_failed", inputs, live, choice)
-        if not chosen.captured:  # lazy=True: this call runs eagerly, then captures its bucket
+        if not chosen.captured:  # lazy=True, or a background capture: this call runs eagerly
+            if handed is not None and self._mode == "graph":  # on the runner's own buffers: after
+                self._lock.serialize_streams(self._device.index or 0)  # the last work on them
             out = self._fallback("not_captured_yet", inputs, live, choice)
-            self._capture_lazily(chosen)
+            if not self._capturing_in_background():  # (else the background thread captures it)
+                self._capture_lazily(chosen)
             return out
         if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
             return self._fallback("padding_waste", inputs, live, choice)
@@ -687,6 +819,23 @@ class GraphRunner:
         if copy is None:
             copy = not self._lock.views_safe()
         return self._slice(chosen, leaves, T, copy, keep=graph is not None)
+
+    def _eager_while_capturing(self, inputs: tuple[Any, ...], live: Any) -> Any:
+        """During a background capture, a call whose bucket is not captured yet runs eagerly
+        without waiting for the call lock: it reads only its own inputs. Returns ``_NOT_EAGER``
+        for a call that needs the lock (its bucket is captured or failed, it is above the ladder,
+        or its inputs are the runner's own buffers, which a capture rewrites)."""
+        first = inputs[self._first_padded] if len(inputs) > self._first_padded else None
+        if first is not None and id(first) in self._handed_ids:
+            return _NOT_EAGER
+        T = check_inputs(self._inputs, inputs, self.name)
+        n = pick_bucket(self._buckets_list, T)
+        if n is None:
+            return _NOT_EAGER
+        chosen = self._buckets[n]
+        if chosen.captured or chosen.failure is not None:
+            return _NOT_EAGER
+        return self._fallback("not_captured_yet", inputs, live, None)
 
     def _agree_on_replay(self, graph: BreakableGraph, form: int, live: Any, ranks: RankAgreement) -> tuple[int, bool]:
         """``(form, stitch)`` for this call, the same on every rank: the most general form any rank
@@ -747,7 +896,8 @@ class GraphRunner:
 
     def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, choice: dict[str, int] | None) -> Any:
         """``forward(*inputs)`` eagerly, counted under ``reason`` (and noted in ``choice``, if any)."""
-        self._fallbacks[reason] += 1
+        with self._counts_lock:
+            self._fallbacks[reason] += 1
         with torch.no_grad(), live_scope(live):
             out = self._forward(*inputs)
         if choice is not None:
@@ -859,7 +1009,8 @@ class GraphRunner:
         """Counters and sizes.
 
         ``capture_s`` ({bucket: seconds, warm-up included}), ``capture_total_s``,
-        ``captures`` ({trigger: buckets captured by it}: ``"capture()"``, ``"lazy"``),
+        ``captures`` ({trigger: buckets captured by it}: ``"capture()"``, ``"lazy"``,
+        ``"background"``), ``capturing`` (a background capture runs now),
         ``pool_bytes`` (the shared pool: every bucket, and any other runner
         sharing it), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
         :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls run
@@ -893,7 +1044,8 @@ class GraphRunner:
             "failed_buckets": self.failed_buckets,
             "capture_s": {b: x.capture_s for b, x in self._buckets.items() if x.captured or x.failure},
             "captures": {trigger: sum(1 for x in self._buckets.values() if x.captured and x.trigger == trigger)
-                         for trigger in ("capture()", "lazy")},
+                         for trigger in ("capture()", "lazy", "background")},
+            "capturing": self._capturing_in_background(),
             "capture_total_s": self._capture_total_s,
             "pool_bytes": pool,
             "largest_alone_pool_bytes": alone,
@@ -936,7 +1088,14 @@ class GraphRunner:
 
     # -- release ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse."""
+        """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse.
+
+        A background capture is stopped first (after the bucket it is capturing)."""
+        self._stop_background.set()
+        thread = self._background
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._background, self._background_error = None, None
         with self._lock.lock:
             for bucket in self._buckets.values():
                 bucket.free_graphs()

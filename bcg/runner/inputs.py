@@ -3,7 +3,8 @@ and the static buffers every bucket's graph reads its inputs from."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,19 @@ class StaticInputs:
             rows = min(n, s.shape[s.pad_dim])
             view.narrow(s.pad_dim, 0, rows).copy_(s.example.narrow(s.pad_dim, 0, rows))
         return views
+
+    @contextlib.contextmanager
+    def preserved(self, sizes: Iterable[int]) -> Iterator[None]:
+        """Give the static inputs of ``sizes`` back their values after the block (a capture that
+        loads the example into them while calls may have filled them, see
+        ``GraphRunner.input_buffers``). Copies on the current stream, before and after."""
+        saved = [(view, view.clone()) for n in sorted(set(sizes)) for view in
+                 (self.views(n)[s.index] for s in self.padded)]
+        try:
+            yield
+        finally:
+            for view, value in saved:
+                view.copy_(value)
 
     def write(self, views: list[Any], inputs: tuple[Any, ...], T: int, zero_tail: bool, stream: int | None = None) -> None:
         """Copy a call's ``T`` rows into the bucket's ``views``; ``zero_tail``: zero the rows past ``T``.
