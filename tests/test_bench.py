@@ -543,3 +543,40 @@ def test_length_streams_repeat_as_named() -> None:
     assert len(set(tuples)) == 500 and all(sum(t) == 128 and min(t) >= 1 for t in tuples)
     with pytest.raises(ValueError, match="kind"):
         llama.length_stream("sometimes", 128, 4, seed=0)
+
+
+def test_lifecycle_report_on_a_cpu_runner() -> None:
+    """bcg.bench.lifecycle.measure over eager-mode runners: every way of capturing reaches a first
+    result, the lazy calls capture every bucket in a random order, the background capture serves
+    calls; memory figures are CUDA-only."""
+    import warnings
+
+    from bcg.bench import lifecycle
+
+    from .models import TinyLlama, positions_for
+
+    model = TinyLlama(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, device="cpu", dtype=torch.float32)
+    buckets = [4, 8, 16]
+    example = (torch.randn(5, 32), torch.arange(5))
+    made: list[bcg.GraphRunner] = []
+
+    def make(**options: object) -> bcg.GraphRunner:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (no CUDA: eager mode)
+            runner = bcg.GraphRunner(model, buckets, example_inputs=example, progress=False,
+                                     capture_live=lambda n: {"lengths": [n]}, **options)
+        made.append(runner)
+        return runner
+
+    def batch(T: int) -> tuple[tuple[torch.Tensor, ...], dict]:
+        return (torch.randn(T, 32), positions_for([T], T, "cpu")), {"lengths": [T]}
+
+    report = lifecycle.measure(model, make, batch, torch.device("cpu"), seed=1)
+    assert len(made) == 3 and report["calls_T"] == 8
+    for way in ("capture_all", "lazy", "background"):
+        assert report[way]["to_first_result_s"] > 0 and report[way]["capture_s"] >= 0
+    assert sorted(report["lazy"]["order"]) == buckets
+    assert report["background"]["calls_during_capture"] >= 1
+    assert report["background"]["eager_calls_per_s"] > 0
+    assert report["sleep_wake"]["freed_mib"] is None and report["capture_all"]["pool_mib"] is None
+    assert all(not r.captured_buckets for r in made)  # every runner was reset

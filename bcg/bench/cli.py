@@ -594,6 +594,19 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
             f"capture {ladder['capture_s_total']:.2f} s ({ladder['graphs_compiled_during_capture']} graphs "
             f"compiled during it), total {ladder['compile_plus_capture_s']:.2f} s"
         )
+    life = extras.get("lifecycle")
+    if life:
+        a, z, bg = life["capture_all"], life["lazy"], life["background"]
+        print(
+            f"lifecycle (T={life['calls_T']} calls): first result after {a['to_first_result_s']:.2f} s capturing "
+            f"all, {z['to_first_result_s']:.2f} s lazy, {bg['to_first_result_s']:.2f} s in the background; "
+            f"capture {a['capture_s']:.2f} / {z['capture_s']:.2f} / {bg['capture_s']:.2f} s; pool "
+            f"{a['pool_ratio_largest_first'] or 0:.3f}x the largest bucket largest first, "
+            f"{z['pool_ratio_random_order'] or 0:.3f}x in a random order; reset() frees "
+            f"{life['sleep_wake']['freed_mib'] or 0:.0f} MiB, waking takes {life['sleep_wake']['wake_to_first_result_s']:.2f} s; "
+            f"{bg['calls_per_s_during_capture'] or 0:.1f} calls/s during the background capture "
+            f"({bg['rate_ratio_to_eager'] or 0:.2f}x eager)"
+        )
     print(f"\ntiming: {TIMING_NOTE}")
     if not cuda:
         print("bcg-bench: graph timings need an NVIDIA GPU; this was an eager smoke run (exit 0).")

@@ -57,6 +57,7 @@ import bcg
 from bcg.core.torch_internals import fresh_inductor_cache, has_triton, maybe_mark_dynamic
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
+from bcg.bench import lifecycle
 from bcg.bench.argtypes import nonnegative_int, positive_int
 from bcg.core.compiled import dynamo_graphs
 
@@ -153,6 +154,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ladder-max", type=ladder_max, default=4096,
                    help="capture a GraphRunner over the default 16-bucket ladder up to this many tokens and "
                    f"report its capture time and pool size (GPU only; 0 skips, else >= {LADDER_MIN}; default 4096)")
+    g.add_argument("--lifecycle", action="store_true",
+                   help="also report the runner's lifecycle over the ladder (up to --ladder-max, varlen): "
+                   "time to the first result with capture-all, lazy and background capture, pools in "
+                   "each order, memory a reset() frees, time to wake, calls/s during a background "
+                   "capture (GPU only)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
                    help="attention implementations: flash,varlen,loop,unfused (default all four; unfused: "
                    "per request GQA expand, q@k^T, scale, causal mask, float32 softmax, @v: ~10 launches each)")
@@ -885,11 +891,36 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
         staged["note_staged"] = ("staged varlen attention: each bucket holds its inline form, its staged tiers "
                                  f"({tiers_of(args)} slots) and its breakable form in the one pool; "
                                  "pool_ratio_to_breakable compares with 'runner'")
+    if getattr(args, "lifecycle", False) and varlen_usable(device):
+        out["lifecycle"] = _lifecycle(model, args, device)
     if (args.modes is None or "bcg-compile" in args.modes) and compile_usable(device) is None:
         with _cold_compile_caches():
             out["runner_compile"] = _ladder(model, args, device, model.compiled_regions(fresh=True))
         out["runner_compile"]["caches"] = "cold: Dynamo reset, fresh Inductor and Triton cache directories"
     return out
+
+
+def _lifecycle(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """:func:`bcg.bench.lifecycle.measure` over the ladder with the varlen attention as a breakpoint."""
+    buckets = bcg.runner.default_buckets(args.ladder_max)
+    x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
+    pos = torch.arange(buckets[-1], device=device)
+    lengths_for = functools.partial(bucket_lengths, args)
+
+    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.forward(x, pos, attention_varlen, None)
+
+    def make(**options: Any) -> bcg.GraphRunner:
+        return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos),
+                               capture_live=lambda n: Batch.build(lengths_for(n), device), progress=False, **options)
+
+    def batch(T: int) -> tuple[tuple[Any, ...], Any]:
+        lengths = lengths_for(T)
+        xs = torch.randn(T, model.hidden, device=device, dtype=model.dtype)
+        ps = torch.cat([torch.arange(n, device=device) for n in lengths])
+        return (xs, ps), Batch.build(lengths, device)
+
+    return {"buckets": buckets, **lifecycle.measure(forward, make, batch, device, seed=args.seed)}
 
 
 def _cold_compile_caches() -> Any:

@@ -1,0 +1,156 @@
+"""A GraphRunner's serving lifecycle, measured: capture all buckets first, lazily or in the background;
+sleep (``reset()``) and wake (capture again).
+
+:func:`measure` builds fresh runners through a factory and reports, for each way of capturing,
+the time from the runner's construction to the first result, the capture seconds and the pool
+against the largest bucket captured alone (buckets captured largest first, or in the random
+order calls bring them); the memory a ``reset()`` gives back and the time to wake; and, while a
+background capture runs, the calls per second a serving thread gets, against the eager forward's.
+Every call is synchronized, so its result is ready when it is counted.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import bcg
+
+MiB = 2**20
+
+
+def measure(
+    forward: Callable[..., Any],
+    make: Callable[..., bcg.GraphRunner],
+    batch: Callable[[int], tuple[tuple[Any, ...], Any]],
+    device: torch.device,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The lifecycle report of the runners ``make(**options)`` builds (each a new one).
+
+    Arguments:
+        forward: the runners' forward, called eagerly for the eager rate.
+        make: a new runner for ``options`` (``lazy=True``, or none), over one ladder.
+        batch: ``batch(T)`` -> ``(inputs, live)`` of a call with ``T`` rows.
+        device: where the runners run (memory figures on CUDA only).
+        seed: the order lazy calls bring buckets in.
+    """
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def reserved() -> float | None:
+        sync()
+        return torch.cuda.memory_reserved(device) / MiB if cuda else None
+
+    def call(runner: bcg.GraphRunner, T: int) -> None:
+        inputs, live = batch(T)
+        runner(*inputs, live=live)
+        sync()
+
+    def pool_mib(runner: bcg.GraphRunner) -> float | None:
+        return runner.stats()["pool_bytes"] / MiB if cuda else None
+
+    report: dict[str, Any] = {}
+    # -- every bucket first, largest first; then sleep and wake ---------------------------------
+    before = reserved()
+    t0 = time.perf_counter()
+    runner = make()
+    buckets = runner.buckets
+    mid = buckets[len(buckets) // 2]
+    runner.capture()
+    call(runner, mid)
+    first = time.perf_counter() - t0
+    captured = reserved()
+    alone = runner.measure_largest_alone() / MiB if cuda else None
+    pool = pool_mib(runner)
+    report["capture_all"] = {
+        "to_first_result_s": first,
+        "capture_s": runner.stats()["capture_total_s"],
+        "pool_mib": pool,
+        "largest_alone_mib": alone,
+        "pool_ratio_largest_first": pool / alone if pool and alone else None,
+    }
+    runner.reset()
+    slept = reserved()
+    t0 = time.perf_counter()
+    runner.capture()
+    call(runner, mid)
+    report["sleep_wake"] = {
+        "reserved_mib_before_capture": before,
+        "reserved_mib_captured": captured,
+        "reserved_mib_after_reset": slept,
+        "freed_mib": captured - slept if captured is not None and slept is not None else None,
+        "wake_to_first_result_s": time.perf_counter() - t0,
+    }
+    runner.reset()
+    del runner
+    # -- lazily, buckets in the order calls bring them -------------------------------------------
+    order = list(buckets)
+    random.Random(seed).shuffle(order)
+    t0 = time.perf_counter()
+    runner = make(lazy=True)
+    call(runner, order[0])
+    first = time.perf_counter() - t0
+    for n in order[1:]:
+        call(runner, n)
+    pool = pool_mib(runner)
+    report["lazy"] = {
+        "to_first_result_s": first,
+        "capture_s": runner.stats()["capture_total_s"],
+        "order": order,
+        "pool_mib": pool,
+        "pool_ratio_random_order": pool / alone if pool and alone else None,
+    }
+    runner.reset()
+    del runner
+    # -- in the background, while a thread serves calls ------------------------------------------
+    t0 = time.perf_counter()
+    runner = make()
+    runner.capture(background=True)
+    call(runner, mid)
+    first = time.perf_counter() - t0
+    served, t_serve = 1, time.perf_counter()
+    while runner.stats()["capturing"]:
+        call(runner, mid)
+        served += 1
+    serving_s = time.perf_counter() - t_serve
+    runner.wait_captured()
+    stats = runner.stats()
+    report["background"] = {
+        "to_first_result_s": first,
+        "capture_s": stats["capture_total_s"],
+        "calls_during_capture": served,
+        "calls_per_s_during_capture": served / serving_s if serving_s > 0 else None,
+        "eager_calls_during_capture": stats["fallbacks"]["not_captured_yet"],
+        "pool_mib": pool_mib(runner),
+    }
+    runner.reset()
+    del runner
+    # -- the eager forward's rate, for comparison -------------------------------------------------
+    inputs, live = batch(mid)
+    n_eager, t0 = 0, time.perf_counter()
+    while n_eager < 5 or time.perf_counter() - t0 < 0.5:
+        with bcg.live_scope(live), torch.no_grad():
+            forward(*inputs)
+        sync()
+        n_eager += 1
+    eager_rate = n_eager / (time.perf_counter() - t0)
+    report["background"]["eager_calls_per_s"] = eager_rate
+    rate = report["background"]["calls_per_s_during_capture"]
+    report["background"]["rate_ratio_to_eager"] = rate / eager_rate if rate else None
+    report["calls_T"] = mid
+    report["note"] = (
+        "to_first_result_s: from the runner's construction to the first call's result (T = calls_T); "
+        "capture_s: the runner's capture seconds (warm-ups included; background: on its thread); "
+        "pool ratios against the largest bucket captured alone; freed_mib: memory_reserved() before "
+        "and after reset(); background: calls of T = calls_T made back to back while the ladder "
+        "captured, against the eager forward's rate measured after"
+    )
+    return report
