@@ -4,16 +4,17 @@ A small ``LlamaForCausalLM`` with random weights (built from a config: nothing i
 downloaded) runs a prefill of several requests packed in one sequence
 (``input_ids`` of shape ``[1, T]``, ``position_ids`` restarting at 0 for each
 request). Its attention is :func:`packed_attention`, a function registered with
-``transformers.AttentionInterface`` and marked ``@bcg.breakpoint``: it reads the
-request lengths of this call from ``bcg.live()`` and runs causal attention
-within each request (on CUDA one flash-attention call over the cumulative
-lengths, GQA native; elsewhere an SDPA loop). Everything else (embedding, norms, projections, RoPE, MLP,
+``transformers.AttentionInterface``, which calls :func:`attend`, marked
+``@bcg.breakpoint``: it reads the request lengths of this call from
+``bcg.live()`` and runs causal attention within each request (on CUDA one
+flash-attention call over the cumulative lengths, GQA native; elsewhere an
+SDPA loop). Everything else (embedding, norms, projections, RoPE, MLP,
 LM head) is captured into CUDA graph segments.
 
 The three lines you add to your own Hugging Face model, once you have an
 attention function like :func:`packed_attention`::
 
-    transformers.AttentionInterface.register("bcg_packed", packed_attention)  # 1. register the breakpoint
+    transformers.AttentionInterface.register("bcg_packed", packed_attention)  # 1. register the attention
     model.set_attn_implementation("bcg_packed")  # 2. select it (or from_pretrained(..., attn_implementation="bcg_packed"))
     graph = bcg.make_graph(lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits, ids, pos, live=meta)  # 3.
 
@@ -35,7 +36,13 @@ What it checks and prints:
     request alone (within a tolerance: the kernels may differ);
 (d) eager vs bcg time: median of synchronized runs, and the speedup.
 
-Run: ``python examples/hf_llama.py [--tokens 512 --requests 4 --layers 4 --iters 50]``.
+With ``--compile`` the whole model is compiled with ``torch.compile(fullgraph=True)``:
+:func:`attend`, the breakpoint inside :func:`packed_attention`, takes only
+tensors and a float and writes its result in place, so in compiled code it is
+one opaque op, and bcg captures Inductor's kernels around it. Every check then
+compares with the compiled model run eagerly.
+
+Run: ``python examples/hf_llama.py [--tokens 512 --requests 4 --layers 4 --iters 50] [--compile]``.
 Without CUDA it runs on the CPU in float32 with bcg's eager mode (same code,
 no graphs: the times say nothing there).
 """
@@ -72,7 +79,41 @@ def packed_live(lengths: list[int], device: torch.device | str) -> dict[str, Any
     return {"lengths": lengths, "cu_seqlens": cu, "max_len": max(lengths)}
 
 
-@bcg.breakpoint(mutates=())  # writes none of its arguments: the runner need not sanitize them
+@bcg.breakpoint(mutates="out")
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scaling: float) -> None:
+    """The breakpoint: causal attention within each request of a packed batch, written into ``out``.
+
+    ``query`` is ``[T, heads, head_dim]``, ``key``/``value`` ``[T, kv_heads,
+    head_dim]`` (GQA: kv heads are shared by groups of query heads), ``out``
+    ``[T, heads, head_dim]``. The request lengths come from
+    ``bcg.live()["lengths"]``; rows of ``out`` past their sum (padding) are
+    zeroed. Tensor arguments only, annotated, and results written in place: in
+    ``torch.compile``'d code this function is one opaque op (``bcg::attend``),
+    so the whole model compiles with ``fullgraph=True`` around it.
+    """
+    live = bcg.live()
+    lengths = live["lengths"]
+    n = sum(lengths)
+    if (
+        query.is_cuda and _FLASH is not None and live.get("cu_seqlens") is not None
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
+        # one kernel for all requests, GQA native
+        o = _FLASH(query[:n], key[:n], value[:n], live["cu_seqlens"], live["cu_seqlens"], live["max_len"],
+                   live["max_len"], 0.0, True, False, scale=scaling)[0]
+        out[:n].copy_(o)
+    else:
+        start = 0
+        for length in lengths:
+            s = slice(start, start + length)
+            o = F.scaled_dot_product_attention(query[s].transpose(0, 1), key[s].transpose(0, 1),
+                                               value[s].transpose(0, 1), is_causal=True, scale=scaling,
+                                               enable_gqa=True)
+            out[s].copy_(o.transpose(0, 1))
+            start += length
+    out[n:].zero_()
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -83,43 +124,20 @@ def packed_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention request by request over a packed ``[1, T]`` batch (HF's attention signature).
+    """HF's attention signature around the breakpoint :func:`attend`, over a packed ``[1, T]`` batch.
 
-    ``query`` is ``[1, heads, T, head_dim]``, ``key``/``value`` ``[1, kv_heads, T,
-    head_dim]`` (GQA: kv heads are shared by groups of query heads). The request
-    lengths come from ``bcg.live()["lengths"]``; rows past their sum (padding)
-    are zero. ``attention_mask`` is ignored: HF builds none for an attention
-    name it has no mask function for, and the requests' boundaries come from
-    the live lengths. Returns ``([1, T, heads, head_dim], None)``, as HF's
-    attention functions do; bcg copies the returned tensor into a bridge at
-    every replay.
+    ``query`` is ``[1, heads, T, head_dim]``, ``key``/``value`` ``[1, kv_heads,
+    T, head_dim]``; returns ``([1, T, heads, head_dim], None)``, as HF's
+    attention functions do. ``attention_mask`` is ignored: HF builds none for
+    an attention name it has no mask function for, and the requests'
+    boundaries come from the live lengths.
     """
-    live = bcg.live()
-    lengths = live["lengths"]
-    n = sum(lengths)
     _, heads, T, dim = query.shape
-    if (
-        query.is_cuda and _FLASH is not None and live.get("cu_seqlens") is not None
-        and query.dtype in (torch.float16, torch.bfloat16)
-    ):
-        # [T, heads, dim] views (HF's q/k/v are [T, heads, dim] in memory, transposed), one kernel for all requests.
-        q, k, v = (t[0].transpose(0, 1)[:n] for t in (query, key, value))
-        o = _FLASH(q, k, v, live["cu_seqlens"], live["cu_seqlens"], live["max_len"], live["max_len"], 0.0, True,
-                   False, scale=scaling)[0]
-        if n == T:
-            return o.unsqueeze(0), None
-        out = query.new_zeros(T, heads, dim)
-        out[:n] = o
-        return out.unsqueeze(0), None
-    out = query.new_zeros(1, T, heads, dim)
-    start = 0
-    for length in lengths:
-        s = slice(start, start + length)
-        o = F.scaled_dot_product_attention(query[:, :, s], key[:, :, s], value[:, :, s], is_causal=True,
-                                           scale=scaling, enable_gqa=True)
-        out[:, s] = o.transpose(1, 2)
-        start += length
-    return out, None
+    # [T, heads, dim] views (HF's q/k/v are [T, heads, dim] in memory, transposed)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = query.new_empty(T, heads, dim)
+    attend(q, k, v, out, float(scaling if scaling is not None else dim**-0.5))
+    return out.unsqueeze(0), None
 
 
 # -- model and inputs -----------------------------------------------------------------------
@@ -165,6 +183,14 @@ def make_forward(model: Any) -> Any:
         return model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return forward
+
+
+def compile_forward(forward: Any, device: torch.device) -> Any:
+    """The whole forward compiled with ``fullgraph=True`` (static shapes: each token count compiles
+    once, in a warm-up, outside any capture); :func:`attend` is one op in the graph. Inductor on a
+    GPU; on the CPU ``aot_eager`` (Inductor's CPU backend compiles C++ for minutes)."""
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend)
 
 
 def eager(forward: Any, ids: torch.Tensor, pos: torch.Tensor, live: dict[str, Any]) -> torch.Tensor:
@@ -272,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens of the GraphRunner call (default: between two buckets)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="compile the whole model with torch.compile(fullgraph=True): the attention breakpoint "
+                   "is one op inside the compiled graph (on the CPU with the aot_eager backend)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
@@ -297,16 +326,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = {
             "transformers": transformers.__version__, "torch": torch.__version__, "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "mode": mode, "tokens": args.tokens, "layers": args.layers,
+            "compiled": args.compile,
         }
         result["packed_rel_err"] = check_packing(model, forward, split_lengths(min(args.tokens, 64), 3, gen), gen,
                                                  device)
         result["packed_ok"] = result["packed_rel_err"] < (0.05 if dtype == torch.bfloat16 else 1e-4)
+        if args.compile:  # every check below compares with the same compiled forward run eagerly
+            from bcg.core.compiled import dynamo_graphs
+
+            graphs0 = dynamo_graphs()
+            forward = compile_forward(forward, device)
         result.update(run_graph(forward, args, vocab, gen, device, mode))
         result.update(run_runner(forward, args, vocab, gen, device, mode))
+        if args.compile:
+            result["dynamo_graphs"] = dynamo_graphs() - graphs0
 
     r = result
     print(f"transformers {r['transformers']}, torch {r['torch']}, {r['device']} {r['dtype']}, bcg mode={mode}; "
           f"Llama {args.layers} layers, T={args.tokens}, requests {r['lengths']}")
+    if args.compile:
+        print(f"torch.compile(fullgraph=True): {r['dynamo_graphs']} graphs compiled (one per token count); "
+              "'eager' below is the compiled model run without CUDA graphs")
     print(f"packed attention vs HF sdpa per request: rel err {r['packed_rel_err']:.2e} "
           f"({'ok' if r['packed_ok'] else 'TOO LARGE'})")
     print(f"make_graph: {r['segments']} segments, {r['breakpoints']} breakpoints; "

@@ -52,3 +52,21 @@ def test_hf_llama_example_is_bit_identical_and_timed() -> None:
     for key in ("eager_ms", "bcg_ms", "speedup", "runner_eager_ms", "runner_ms", "runner_speedup"):
         assert r[key] > 0, key
     torch.cuda.synchronize()
+
+
+def test_hf_llama_example_compiled_whole_is_bit_identical_to_the_compiled_model() -> None:
+    """--compile: the whole HF model compiled with fullgraph=True, the attention breakpoint one op
+    inside; make_graph and the runner replay Inductor's kernels bit-identically to the compiled
+    model run eagerly."""
+    pytest.importorskip(
+        "transformers",
+        reason="transformers is not importable (pip install transformers): examples/hf_llama.py needs it",
+    )
+    torch._dynamo.reset()
+    example = _load_example()
+    r = example.main(["--tokens", "256", "--requests", "3", "--layers", "2", "--iters", "5", "--compile"])
+    assert r["compiled"] and r["mode"] == "graph"
+    assert r["graph_equal"] is True and r["runner_equal"] is True
+    assert r["segments"] == 3 and r["breakpoints"] == 2  # the op still ends a segment in the capture
+    assert r["dynamo_graphs"] >= 1
+    torch._dynamo.reset()
