@@ -475,15 +475,18 @@ class LlamaModel:
         return self._staged[slots]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
+        """The decoder on ``x`` (``[T, hidden]``) at positions ``pos``; ``attn(q, k, v, out)`` is
+        each layer's attention (or a sequence of them, one per layer: a paged cache's layers)."""
         r = regions or self.regions
         layers = self.layers
+        attns = list(attn) if isinstance(attn, (list, tuple)) else [attn] * len(layers)
         L0 = layers[0]
         cos, sin, q, k, v, o = r.first(x, pos, self.cos, self.sin, L0.attn_norm, L0.wqkv)
-        for layer, nxt in zip(layers, layers[1:]):
-            attn(q, k, v, o)
+        for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
+            attns[i](q, k, v, o)
             x, q, k, v, o = r.middle(x, o, cos, sin, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down,
                                      nxt.attn_norm, nxt.wqkv)
-        attn(q, k, v, o)
+        attns[-1](q, k, v, o)
         L = layers[-1]
         return r.last(x, o, L.wo, L.ffn_norm, L.w_gate_up, L.w_down, self.norm)
 
