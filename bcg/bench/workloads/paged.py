@@ -346,3 +346,41 @@ def inert_batch(requests: int, page: int) -> PagedBatch:
     """``requests`` one-token requests on the trash page: the live metadata of a capture (its
     warm-ups and capture runs write K/V, and must write only where no request reads)."""
     return PagedBatch((1,) * requests, (1,) * requests, ((0,),) * requests, page)
+
+
+# -- the benchmark points -------------------------------------------------------------------------
+
+#: ``--attn`` kinds served by this module: T is the batch's requests (``decode``: one token each)
+#: or its tokens (``mixed``: half in one-token decode requests, half in ``--requests`` prefill chunks).
+KINDS = ("decode", "mixed")
+
+
+def make_batch(kind: str, T: int, context: int, requests: int, page: int, seed: int,
+               tables_of: Any) -> PagedBatch:
+    """The batch of a point: contexts drawn per request (seeded, 1 .. ``context``), block tables
+    from ``tables_of(ctx_lens)``. ``mixed``: ``T // 2`` decode tokens, the rest in up to
+    ``requests`` prefill chunks, each after a context of its own."""
+    rng = random.Random(seed * 1_000_003 + T)
+    if kind == "decode":
+        q_lens = [1] * T
+    else:
+        decode = T // 2
+        chunks = max(1, min(requests, T - decode))
+        cuts = sorted(rng.sample(range(1, T - decode), chunks - 1)) if chunks > 1 else []
+        bounds = [0, *cuts, T - decode]
+        q_lens = [1] * decode + [b - a for a, b in zip(bounds, bounds[1:])]
+    ctx = [q + rng.randint(0, max(0, context - q)) for q in q_lens]
+    ctx = [max(q, min(c, context)) for q, c in zip(q_lens, ctx)]
+    return PagedBatch(tuple(q_lens), tuple(ctx), tables_of(ctx), page)
+
+
+def frozen(batch: PagedBatch, rows: int, device: torch.device) -> Any:
+    """The same attention with the batch's metadata frozen on the device now (the floor)."""
+    slots, cu, ctx, table = PagedLive(batch).tensors(rows, device)
+    max_q = batch.max_q
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+        paged_attention(q, k, v, out, k_cache, v_cache, slots, cu, ctx, table, max_q)
+
+    return attention
