@@ -580,3 +580,19 @@ def test_lifecycle_report_on_a_cpu_runner() -> None:
     assert report["background"]["eager_calls_per_s"] > 0
     assert report["sleep_wake"]["freed_mib"] is None and report["capture_all"]["pool_mib"] is None
     assert all(not r.captured_buckets for r in made)  # every runner was reset
+
+
+def test_cpu_decode_and_mixed_points_over_a_paged_cache(no_cuda: None, tmp_path: Path) -> None:
+    """--attn decode,mixed: T is the decode batch's requests or the mixed batch's tokens; the
+    graph's eager mode runs the same kernels as eager (rel_err 0)."""
+    rc = cli.main(["--attn", "decode,mixed", "--tokens", "4,12", "--context", "40", "--page", "4", "--iters", "2",
+                   "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = doc["rows"]
+    assert {(r["attn"], r["T"]) for r in rows} == {(a, t) for a in ("decode", "mixed") for t in (4, 12)}
+    assert doc["errors"] == [] and all(r["rel_err"] == 0.0 for r in rows)
+    for r in rows:
+        assert r["tokens"] == r["T"] and r["page"] == 4 and r["context_pages"] == 10
+        assert r["requests"] == (r["T"] if r["attn"] == "decode" else r["T"] // 2 + min(4, r["T"] - r["T"] // 2))
+        assert r["max_context"] <= 40

@@ -58,6 +58,7 @@ from bcg.core.torch_internals import fresh_inductor_cache, has_triton, maybe_mar
 from bcg.bench.case import Case
 from bcg.bench.timing import compiling_call
 from bcg.bench import lifecycle
+from bcg.bench.workloads import paged
 from bcg.bench.argtypes import nonnegative_int, positive_int
 from bcg.core.compiled import dynamo_graphs
 
@@ -122,9 +123,10 @@ def default_slot_tiers(slots: int) -> list[int]:
 
 def attn_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in ATTN]
+    known = (*ATTN, *paged.KINDS)
+    bad = [v for v in values if v not in known]
     if not values or bad:
-        raise argparse.ArgumentTypeError(f"--attn takes a comma-separated subset of {','.join(ATTN)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--attn takes a comma-separated subset of {','.join(known)}, got {text!r}")
     return values
 
 
@@ -161,7 +163,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "capture (GPU only)")
     g.add_argument("--attn", type=attn_list, default=list(ATTN),
                    help="attention implementations: flash,varlen,loop,unfused (default all four; unfused: "
-                   "per request GQA expand, q@k^T, scale, causal mask, float32 softmax, @v: ~10 launches each)")
+                   "per request GQA expand, q@k^T, scale, causal mask, float32 softmax, @v: ~10 launches each); "
+                   "decode,mixed: a paged KV cache, T = requests of one new token each (decode) or tokens, "
+                   "half of them decode tokens (mixed)")
+    g.add_argument("--context", type=positive_int, default=2048,
+                   help="decode,mixed: the longest context of a request (contexts drawn from 1 to it; default 2048)")
+    g.add_argument("--page", type=positive_int, default=16, help="decode,mixed: tokens per KV-cache page (default 16)")
     g.add_argument("--zipf-tuples", type=positive_int, default=16, metavar="N",
                    help="mode bcg-specialized-zipf: length tuples drawn Zipf-distributed from N tuples (default 16)")
     g.add_argument("--zipf-s", type=float, default=1.0,
@@ -481,15 +488,18 @@ class LlamaModel:
         return self._staged[slots]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
+        """The decoder on ``x`` (``[T, hidden]``) at positions ``pos``; ``attn(q, k, v, out)`` is
+        each layer's attention (or a sequence of them, one per layer: a paged cache's layers)."""
         r = regions or self.regions
         layers = self.layers
+        attns = list(attn) if isinstance(attn, (list, tuple)) else [attn] * len(layers)
         L0 = layers[0]
         cos, sin, q, k, v, o = r.first(x, pos, self.cos, self.sin, L0.attn_norm, L0.wqkv)
-        for layer, nxt in zip(layers, layers[1:]):
-            attn(q, k, v, o)
+        for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
+            attns[i](q, k, v, o)
             x, q, k, v, o = r.middle(x, o, cos, sin, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down,
                                      nxt.attn_norm, nxt.wqkv)
-        attn(q, k, v, o)
+        attns[-1](q, k, v, o)
         L = layers[-1]
         return r.last(x, o, L.wo, L.ffn_norm, L.w_gate_up, L.w_down, self.norm)
 
@@ -785,11 +795,15 @@ def setup(args: argparse.Namespace, device: torch.device) -> LlamaModel:
         import torch.distributed as dist
 
         tp = TensorParallel(dist.get_rank(), dist.get_world_size())
-    return LlamaModel(shape(args), device, max_pos=max(*args.tokens, args.ladder_max), seed=args.seed, tp=tp)
+    paged_points = any(a in paged.KINDS for a in args.attn)
+    max_pos = max(*args.tokens, args.ladder_max, args.context if paged_points else 0)
+    return LlamaModel(shape(args), device, max_pos=max_pos, seed=args.seed, tp=tp)
 
 
 def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, attn: str | None, T: int | None) -> Case:
     assert attn is not None and T is not None
+    if attn in paged.KINDS:
+        return _paged_case(model, args, device, attn, T)
     lengths = tuple(request_lengths(T, args.requests, args.seed))
     gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
     x_base = torch.randn(T, model.hidden, generator=gen, device=device, dtype=model.dtype)
@@ -862,6 +876,69 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
             new_live=lambda: Batch(lengths),
             live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args)),
         )
+    return case
+
+
+def _paged_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, kind: str, T: int) -> Case:
+    """A decode or mixed batch over a paged KV cache (``bcg.bench.workloads.paged``): T rows, the
+    cache holding every request's context; the staged form's bounds are the point's own rows and
+    requests, and ``--context`` in pages."""
+    page = args.page
+    bound = -(-args.context // page)  # pages per request
+    need_pages: list[int] = []
+
+    def tables_of(ctx: list[int]) -> tuple[tuple[int, ...], ...]:
+        need_pages.extend(-(-c // page) for c in ctx)
+        return tuple(tuple(range(start, start + n)) for start, n in
+                     zip(itertools.accumulate(need_pages[:-1], initial=1), need_pages))
+
+    batch = paged.make_batch(kind, T, args.context, args.requests, page, args.seed, tables_of)
+    cache = paged.PagedKVCache(model.shape["layers"], 1 + sum(need_pages), page, model.KV, model.D, device,
+                               model.dtype)
+    rows = batch.tokens
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
+    x_base = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
+    x_fresh = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
+    x = x_base.clone()
+    pos = torch.tensor(batch.positions(), device=device)
+
+    def write_inputs(fresh: bool) -> None:
+        x.copy_(x_fresh if fresh else x_base)
+
+    def make_forward(bp: Any) -> Any:
+        layers = paged.per_layer(bp, cache)
+        return lambda x, pos: model.forward(x, pos, layers)
+
+    bp = paged.paged_breakpoint()
+    staged = paged.StagedPagedAttention(rows, batch.requests, bound, page, device)
+    max_q = 1 if kind == "decode" else rows
+
+    def capture_live(n: int) -> paged.PagedLive:  # warm-ups and captures write the trash page only
+        return paged.PagedLive(paged.inert_batch(min(n, batch.requests), page), requests=batch.requests,
+                               pages=bound, max_q=max_q)
+
+    case = Case(
+        workload=NAME,
+        attn=kind,
+        T=T,
+        device=device,
+        static_args=(x, pos),
+        live=paged.PagedLive(batch),
+        new_live=lambda: paged.PagedLive(batch),
+        make_forward=make_forward,
+        bp=bp,
+        bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
+        bp_frozen=paged.frozen(batch, rows, device),
+        num_breaks=model.shape["layers"],
+        write_inputs=write_inputs,
+        fields={"attn_backend": "paged: gather + " + ("flash seqused_k" if paged.flash_paged_usable(device, model.dtype)
+                                                       else "masked attention"),
+                "requests": batch.requests, "tokens": rows, "context_pages": bound, "page": page,
+                "max_context": max(batch.ctx_lens)},
+        live_for=capture_live,
+    )
+    case.staged = dataclasses.replace(case, bp=staged.breakpoint, live=paged.PagedLive(batch),
+                                      new_live=lambda: paged.PagedLive(batch), live_for=capture_live)
     return case
 
 

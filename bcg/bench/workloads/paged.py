@@ -1,0 +1,386 @@
+"""Decode and mixed batches over a paged KV cache: the batch's metadata, the cache, the attention.
+
+A batch (:class:`PagedBatch`) holds R requests. Each has ``q_len`` new tokens (1 for a decode
+step; a prefill chunk in a mixed batch), ``ctx_len`` tokens of context once they are written
+(its earlier tokens and the new ones) and a block table: its pages of the cache, in order. The
+cache (:class:`PagedKVCache`) holds, per layer, a K and a V tensor of ``[pages, page, kv_heads,
+head_dim]``; page 0 is the *trash page*, which only padded requests and padded tokens write to
+and read from, so they never touch a real request's slots.
+
+Attention for one layer (:func:`paged_attention`), with every piece of metadata a device tensor
+and every size a static bound, so it can run inside a CUDA graph:
+
+1. write the new tokens' K and V into the cache at their slots (``index_copy_``);
+2. gather each request's pages, up to ``pages_per_request`` of them (the context bound);
+3. causal attention of each request's new tokens over its context: on CUDA one call of ATen's
+   flash kernel with ``seqused_k`` (the context lengths), the gathered K/V laid out
+   ``pages_per_request * page`` tokens per request; elsewhere a masked attention in plain ops;
+4. rows past the batch's tokens (padding) are written as zeros.
+
+Why a gather: this torch's flash kernel reads K/V through ``cu_seqlens_k`` and ``seqused_k`` but
+takes no block table (torch 2.13 adds one), and FlexAttention's paged attention is an
+experimental module that needs ``torch.compile``. The gather is public ops and one kernel; its
+cost grows with the context bound, which staged tiers keep close to the batch's longest context.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import bcg
+
+_FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
+
+
+def flash_paged_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`paged_attention` runs ATen's flash kernel here (CUDA, half precision)."""
+    return device.type == "cuda" and _FLASH is not None and dtype in (torch.float16, torch.bfloat16)
+
+
+# -- the batch ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """The host metadata of one forward over a paged cache (what :func:`bcg.live` returns).
+
+    Arguments:
+        q_lens: new tokens of each request (packed in this order in the forward's rows).
+        ctx_lens: each request's context once its new tokens are written (``>= q_len``).
+        tables: each request's block table (page ids, in order; at least ``ceil(ctx / page)``).
+        page: tokens per page.
+    """
+
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+    page: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.q_lens) == len(self.ctx_lens) == len(self.tables)):
+            raise ValueError("q_lens, ctx_lens and tables need one entry per request")
+        for q, c, t in zip(self.q_lens, self.ctx_lens, self.tables):
+            if not 1 <= q <= c or len(t) * self.page < c:
+                raise ValueError(f"a request with {q} new tokens, context {c} and {len(t)} pages of {self.page}")
+
+    @property
+    def requests(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def max_pages(self) -> int:
+        """The most pages a request's context covers."""
+        return max(math.ceil(c / self.page) for c in self.ctx_lens)
+
+    def positions(self) -> list[int]:
+        """Each new token's position in its request (RoPE), in row order."""
+        return [p for q, c in zip(self.q_lens, self.ctx_lens) for p in range(c - q, c)]
+
+    def slots(self) -> list[int]:
+        """Each new token's slot in the cache (``page id * page + offset``), in row order."""
+        return [t[p // self.page] * self.page + p % self.page
+                for q, c, t in zip(self.q_lens, self.ctx_lens, self.tables) for p in range(c - q, c)]
+
+    def padded(self, tokens: int, requests: int, pages: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``(slots, cu_q, ctx, table)`` as flat host lists over static bounds: ``tokens`` rows,
+        ``requests`` slots of ``pages`` pages each. Padded rows write to the trash page; padded
+        requests take no token (their ``cu_q`` offset repeats) and have no context; unused table
+        entries point at the trash page."""
+        if self.tokens > tokens or self.requests > requests or self.max_pages > pages:
+            raise ValueError(f"a batch of {self.tokens} tokens, {self.requests} requests and {self.max_pages} "
+                             f"pages does not fit {tokens} tokens, {requests} requests, {pages} pages")
+        slots = self.slots()
+        slots += [p % self.page for p in range(tokens - len(slots))]  # the trash page's slots
+        cu = list(itertools.accumulate(self.q_lens, initial=0))
+        cu += [cu[-1]] * (requests - self.requests)
+        ctx = list(self.ctx_lens) + [0] * (requests - self.requests)
+        table = [0] * (requests * pages)
+        for r, t in enumerate(self.tables):
+            n = min(len(t), pages)
+            table[r * pages: r * pages + n] = t[:n]
+        return slots, cu, ctx, table
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """Per layer, K and V caches of ``pages`` pages of ``page`` tokens (page 0: the trash page).
+
+    Arguments:
+        layers: decoder layers.
+        pages: pages per layer, the trash page included.
+        page: tokens per page.
+        kv_heads, head_dim: the K/V shape of one token.
+    """
+
+    def __init__(self, layers: int, pages: int, page: int, kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if pages < 2:
+            raise ValueError("a paged cache needs the trash page and at least one more")
+        self.page, self.pages = page, pages
+        shape = (pages, page, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+
+    def tables(self, ctx_lens: Sequence[int], seed: int, spare: int = 0) -> tuple[tuple[int, ...], ...]:
+        """A block table per request for ``ctx_lens`` (plus ``spare`` more pages each), drawn from
+        pages 1 .. pages-1 in a seeded random order, as an allocator that has run a while hands them out."""
+        need = [math.ceil(c / self.page) + spare for c in ctx_lens]
+        if sum(need) > self.pages - 1:
+            raise ValueError(f"{sum(need)} pages needed, the cache has {self.pages - 1}")
+        free = list(range(1, self.pages))
+        random.Random(seed).shuffle(free)
+        it = iter(free)
+        return tuple(tuple(next(it) for _ in range(n)) for n in need)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor,
+                    ctx: torch.Tensor, table: torch.Tensor, max_q: int) -> None:
+    """One layer's attention over the paged cache (see the module documentation); writes ``out``.
+
+    Arguments:
+        q, k, v: ``[T, heads, D]`` and ``[T, kv_heads, D]``, this forward's new tokens (padded rows too).
+        out: ``[T, heads, D]``.
+        k_cache, v_cache: the layer's ``[pages, page, kv_heads, D]`` caches.
+        slots: ``[T]`` int64, each row's slot (padded rows: the trash page's).
+        cu_q: ``[R + 1]`` int32 row offsets of the requests (padded requests repeat the last).
+        ctx: ``[R]`` int32 context lengths (0 for padded requests).
+        table: ``[R, P]`` int32 block tables (P pages per request: the context bound).
+        max_q: a bound on any request's new tokens.
+    """
+    T, H, D = q.shape
+    pages, page, KV, _ = k_cache.shape
+    R, P = table.shape
+    flat_k, flat_v = k_cache.view(pages * page, KV, D), v_cache.view(pages * page, KV, D)
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
+    index = (table.to(torch.int64).unsqueeze(-1) * page
+             + torch.arange(page, device=table.device)).view(R * P * page)
+    kg, vg = flat_k.index_select(0, index), flat_v.index_select(0, index)  # [R * L, KV, D]
+    L = P * page
+    if flash_paged_usable(q.device, q.dtype):
+        cu_k = torch.arange(0, (R + 1) * L, L, device=q.device, dtype=torch.int32)
+        o = _FLASH(q, kg, vg, cu_q, cu_k, max_q, L, 0.0, True, False, seqused_k=ctx)[0]
+    else:
+        o = _masked_attention(q, kg.view(R, L, KV, D), vg.view(R, L, KV, D), cu_q, ctx)
+    rows = torch.arange(T, device=q.device) < cu_q[-1]
+    out.copy_(torch.where(rows.view(T, 1, 1), o, torch.zeros((), device=o.device, dtype=o.dtype)))
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                      ctx: torch.Tensor) -> torch.Tensor:
+    """Causal attention of each row over its request's gathered context, in plain ops (no flash):
+    row t of request r sits at position ``ctx[r] - q_len[r] + i`` and sees keys ``0 .. position``.
+    Rows past the requests come out as NaN or garbage (the caller zeroes them)."""
+    T, H, D = q.shape
+    R, L, KV, _ = k.shape
+    t = torch.arange(T, device=q.device)
+    r = torch.bucketize(t, cu_q[1:].to(torch.int64), right=True).clamp(max=R - 1)
+    q_len = (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    pos = ctx.to(torch.int64)[r] - q_len[r] + (t - cu_q.to(torch.int64)[r])
+    kt = k[r].repeat_interleave(H // KV, dim=2)  # [T, L, H, D]
+    vt = v[r].repeat_interleave(H // KV, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", q.float(), kt.float()) * D**-0.5
+    visible = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [T, L]
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    return torch.einsum("thl,tlhd->thd", scores.softmax(-1), vt.float()).to(q.dtype)
+
+
+def dense_reference(q: torch.Tensor, k_ctx: Sequence[torch.Tensor], v_ctx: Sequence[torch.Tensor],
+                    batch: PagedBatch) -> torch.Tensor:
+    """The same attention from each request's whole K/V history held contiguously (``k_ctx[r]``:
+    ``[ctx_r, KV, D]``, its new tokens last), with SDPA: what the paged attention must equal
+    (for tests)."""
+    H = q.shape[1]
+    outs = []
+    start = 0
+    for r, (qn, c) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
+        qr = q[start:start + qn].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
+        kr = k_ctx[r].transpose(0, 1).unsqueeze(0)
+        vr = v_ctx[r].transpose(0, 1).unsqueeze(0)
+        rep = H // kr.shape[1]
+        kr, vr = kr.repeat_interleave(rep, dim=1), vr.repeat_interleave(rep, dim=1)
+        mask = torch.arange(c, device=q.device).unsqueeze(0) <= torch.arange(c - qn, c, device=q.device).unsqueeze(1)
+        o = torch.nn.functional.scaled_dot_product_attention(qr.float(), kr.float(), vr.float(), attn_mask=mask)
+        outs.append(o[0].transpose(0, 1).to(q.dtype))
+        start += qn
+    return torch.cat(outs)
+
+
+# -- breakpoints ----------------------------------------------------------------------------------
+
+
+class PagedLive:
+    """What :func:`bcg.live` returns for a paged forward: the batch, its device metadata built
+    once per forward (for the rows a forward runs: a runner's bucket may pad them), and, for a
+    staged capture, the bounds of the form being captured.
+
+    Arguments:
+        batch: the requests.
+        requests, pages, max_q: a staged form's bounds when captured with this value (a tier's:
+            fewer request slots or pages); None: the staging buffers' own.
+    """
+
+    def __init__(self, batch: PagedBatch, requests: int | None = None, pages: int | None = None,
+                 max_q: int | None = None) -> None:
+        self.batch = batch
+        self.requests, self.pages, self.max_q = requests, pages, max_q
+        self._device: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def tensors(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(slots, cu_q, ctx, table)`` on ``device`` for a forward of ``rows`` rows (built once:
+        pinned host buffers, non-blocking copies)."""
+        key = (rows, device)
+        if key not in self._device:
+            b = self.batch
+            slots, cu, ctx, table = b.padded(rows, b.requests, b.max_pages)
+            pin = device.type == "cuda"
+            host = (torch.tensor(slots, dtype=torch.int64, pin_memory=pin),
+                    torch.tensor(cu, dtype=torch.int32, pin_memory=pin),
+                    torch.tensor(ctx, dtype=torch.int32, pin_memory=pin),
+                    torch.tensor(table, dtype=torch.int32, pin_memory=pin).view(b.requests, b.max_pages))
+            self._device[key] = tuple(t.to(device, non_blocking=True) for t in host)
+        return self._device[key]
+
+
+@dataclass(frozen=True)
+class StagedPaged:
+    """What a staged paged attention reads when it runs inline (frozen at its capture): views of
+    the staging buffers over the form's bounds."""
+
+    slots: torch.Tensor  # [tokens bound] int64
+    cu_q: torch.Tensor  # [requests + 1] int32
+    ctx: torch.Tensor  # [requests] int32
+    table: torch.Tensor  # [requests, pages] int32 (a view of the buffer's [slots, pages bound])
+    max_q: int
+
+
+def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor) -> None:
+    """The breakpoint function: :func:`paged_attention` over this forward's metadata (a
+    :class:`PagedLive`, or inline a :class:`StagedPaged`)."""
+    live = bcg.live()
+    rows = q.shape[0]
+    if isinstance(live, StagedPaged):
+        paged_attention(q, k, v, out, k_cache, v_cache, live.slots[:rows], live.cu_q, live.ctx, live.table,
+                        min(live.max_q, rows))
+        return
+    slots, cu, ctx, table = live.tensors(rows, q.device)
+    paged_attention(q, k, v, out, k_cache, v_cache, slots, cu, ctx, table, live.batch.max_q)
+
+
+def paged_breakpoint() -> Any:
+    """The breakable paged attention: metadata built on the device once per forward, eagerly."""
+    return bcg.breakpoint(_paged, name="attention_paged", mutates=("out", "k_cache", "v_cache"))
+
+
+class StagedPagedAttention:
+    """The staged paged attention: ``prepare`` writes the batch's metadata, padded to the bounds,
+    into :class:`bcg.StagingBuffer` s, and the attention runs inline in the graph.
+
+    Arguments:
+        tokens: rows bound (the largest runner bucket).
+        requests: request slots.
+        pages: pages per request (the context bound, in pages).
+        page: tokens per page.
+    """
+
+    def __init__(self, tokens: int, requests: int, pages: int, page: int, device: torch.device) -> None:
+        self.tokens, self.requests, self.pages, self.page = tokens, requests, pages, page
+        self.slots = bcg.StagingBuffer((tokens,), dtype=torch.int64, device=device)
+        self.cu = bcg.StagingBuffer((requests + 1,), dtype=torch.int32, device=device)
+        self.ctx = bcg.StagingBuffer((requests,), dtype=torch.int32, device=device)
+        self.table = bcg.StagingBuffer((requests * pages,), dtype=torch.int32, device=device)
+        prepare, fits = self.prepare, self.fits  # one object each, shared by every layer's breakpoint
+        self.breakpoint = bcg.breakpoint(_paged, name="attention_paged_staged",
+                                         mutates=("out", "k_cache", "v_cache"), prepare=prepare, fits=fits)
+
+    def fits(self, live: PagedLive, staged: StagedPaged) -> bool:
+        """Whether the batch fits the bounds of the form captured with ``staged``."""
+        b = live.batch
+        return (b.requests <= staged.ctx.shape[0] and b.max_pages <= staged.table.shape[1]
+                and b.max_q <= staged.max_q and b.tokens <= staged.slots.shape[0])
+
+    def prepare(self, live: PagedLive) -> StagedPaged:
+        """Write the batch's metadata over the buffers' bounds (host only); return the views the
+        form captured with ``live`` reads (its bounds: ``live``'s, else the buffers')."""
+        slots, cu, ctx, table = live.batch.padded(self.tokens, self.requests, self.pages)
+        self.slots.write(slots)
+        self.cu.write(cu)
+        self.ctx.write(ctx)
+        self.table.write(table)
+        requests = min(live.requests or self.requests, self.requests)
+        pages = min(live.pages or self.pages, self.pages)
+        return StagedPaged(self.slots.device, self.cu.device[: requests + 1], self.ctx.device[:requests],
+                           self.table.device.view(self.requests, self.pages)[:requests, :pages],
+                           live.max_q or self.tokens)
+
+
+def per_layer(bp: Any, cache: PagedKVCache) -> list[Any]:
+    """``bp`` bound to each layer's caches: the ``attn`` sequence ``LlamaModel.forward`` takes."""
+    return [functools.partial(bp, k_cache=k, v_cache=v) for k, v in zip(cache.k, cache.v)]
+
+
+def inert_batch(requests: int, page: int) -> PagedBatch:
+    """``requests`` one-token requests on the trash page: the live metadata of a capture (its
+    warm-ups and capture runs write K/V, and must write only where no request reads)."""
+    return PagedBatch((1,) * requests, (1,) * requests, ((0,),) * requests, page)
+
+
+# -- the benchmark points -------------------------------------------------------------------------
+
+#: ``--attn`` kinds served by this module: T is the batch's requests (``decode``: one token each)
+#: or its tokens (``mixed``: half in one-token decode requests, half in ``--requests`` prefill chunks).
+KINDS = ("decode", "mixed")
+
+
+def make_batch(kind: str, T: int, context: int, requests: int, page: int, seed: int,
+               tables_of: Any) -> PagedBatch:
+    """The batch of a point: contexts drawn per request (seeded, 1 .. ``context``), block tables
+    from ``tables_of(ctx_lens)``. ``mixed``: ``T // 2`` decode tokens, the rest in up to
+    ``requests`` prefill chunks, each after a context of its own."""
+    rng = random.Random(seed * 1_000_003 + T)
+    if kind == "decode":
+        q_lens = [1] * T
+    else:
+        decode = T // 2
+        chunks = max(1, min(requests, T - decode))
+        cuts = sorted(rng.sample(range(1, T - decode), chunks - 1)) if chunks > 1 else []
+        bounds = [0, *cuts, T - decode]
+        q_lens = [1] * decode + [b - a for a, b in zip(bounds, bounds[1:])]
+    ctx = [q + rng.randint(0, max(0, context - q)) for q in q_lens]
+    ctx = [max(q, min(c, context)) for q, c in zip(q_lens, ctx)]
+    return PagedBatch(tuple(q_lens), tuple(ctx), tables_of(ctx), page)
+
+
+def frozen(batch: PagedBatch, rows: int, device: torch.device) -> Any:
+    """The same attention with the batch's metadata frozen on the device now (the floor)."""
+    slots, cu, ctx, table = PagedLive(batch).tensors(rows, device)
+    max_q = batch.max_q
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+        paged_attention(q, k, v, out, k_cache, v_cache, slots, cu, ctx, table, max_q)
+
+    return attention
