@@ -283,6 +283,9 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     live = bcg.live()
     rows = q.shape[0]
     if isinstance(live, StagedPaged):
+        if rows > live.slots.shape[0]:
+            raise ValueError(f"a forward of {rows} rows through a staged paged attention of {live.slots.shape[0]}: "
+                             "give StagedPagedAttention a tokens bound of at least the largest bucket")
         paged_attention(q, k, v, out, k_cache, v_cache, live.slots[:rows], live.cu_q, live.ctx, live.table,
                         min(live.max_q, rows))
         return
