@@ -70,3 +70,18 @@ def test_hf_llama_example_compiled_whole_is_bit_identical_to_the_compiled_model(
     assert r["segments"] == 3 and r["breakpoints"] == 2  # the op still ends a segment in the capture
     assert r["dynamo_graphs"] >= 1
     torch._dynamo.reset()
+
+
+def test_hf_llama_decode_example_decodes_through_staged_graphs_like_eager() -> None:
+    """examples/hf_llama_decode.py: greedy decoding over a paged cache through a runner of batch
+    buckets (staged attention, requests finishing at different steps) gives the eager tokens."""
+    pytest.importorskip("transformers", reason="transformers is not importable: the example needs it")
+    path = EXAMPLE.parent / "hf_llama_decode.py"
+    spec = importlib.util.spec_from_file_location("bcg_example_hf_llama_decode", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    r = module.main(["--requests", "5", "--steps", "6", "--layers", "2"])
+    assert r["device"].startswith("cuda") and r["mode"] == "graph"
+    assert r["tokens_equal"] and r["logits_close"]
+    assert r["fallbacks"] == dict.fromkeys(r["fallbacks"], 0)
