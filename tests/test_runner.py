@@ -282,6 +282,43 @@ def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
     assert runner.captured_buckets == [4, 8, 16] and runner.stats()["captures"]["capture()"] == 3
 
 
+def test_waiting_for_a_background_capture_inside_locked_is_refused_not_a_deadlock() -> None:
+    model = _llama()
+    inside, release = threading.Event(), threading.Event()
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == 16:
+            inside.set()
+            assert release.wait(30)
+        return _live(n)
+
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner.capture(background=True)
+    assert inside.wait(30)
+    threading.Timer(0.1, release.set).start()
+    with runner.locked():  # (taken once bucket 16 is captured; the capture thread then waits for it)
+        for wait in (runner.reset, runner.wait_captured, runner.capture):
+            with pytest.raises(bcg.BcgError, match="locked"):
+                wait()
+    assert runner.wait_captured(30) and runner.captured_buckets == [4, 8, 16]
+
+
+def test_calls_return_copies_while_a_background_capture_runs_except_inside_locked() -> None:
+    """A background capture writes the pool the returned views live in: views are safe only
+    where no capture can run before the caller reads them."""
+    from bcg.runner.pool_lock import PoolCallLock
+
+    lock = PoolCallLock()
+    assert lock.views_safe()
+    lock.background += 1
+    assert not lock.views_safe()
+    lock.reader = threading.get_ident()  # inside locked()
+    assert lock.views_safe()
+    lock.reader = None
+    lock.background -= 1
+    assert lock.views_safe()
+
+
 def test_a_background_capture_is_refused_with_ranks() -> None:
     class _Ranks:  # (never used: refused before anything runs)
         same_inputs = True

@@ -141,11 +141,12 @@ def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(
         x, pos, live = _batch(T, gen)
         n = runner.bucket_for(T)
         before = runner.stats()["fallbacks"]["not_captured_yet"]
-        if own_buffers:
-            bx, bpos = runner.input_buffers(T)
-            bx.copy_(x)
-            bpos.copy_(pos)
-            y = runner(bx, bpos, live=live).clone()
+        if own_buffers:  # filled and called under the lock, as docs/runner.md asks during a background capture
+            with runner.locked():
+                bx, bpos = runner.input_buffers(T)
+                bx.copy_(x)
+                bpos.copy_(pos)
+                y = runner(bx, bpos, live=live).clone()
         else:
             y = runner(x, pos, live=live).clone()
         eager = runner.stats()["fallbacks"]["not_captured_yet"] > before

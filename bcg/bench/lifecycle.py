@@ -52,7 +52,8 @@ def measure(
     def call(runner: bcg.GraphRunner, T: int) -> None:
         inputs, live = batch(T)
         runner(*inputs, live=live)
-        sync()
+        if cuda:  # the caller's stream only: a device-wide synchronize is refused during a capture
+            torch.cuda.current_stream(device).synchronize()
 
     def pool_mib(runner: bcg.GraphRunner) -> float | None:
         return runner.stats()["pool_bytes"] / MiB if cuda else None

@@ -431,7 +431,8 @@ class GraphRunner:
             thread = threading.Thread(target=self._capture_in_background, name=f"bcg-capture-{self.name}",
                                       daemon=True)
             self._background = thread
-        thread.start()
+            self._lock.background += 1  # calls return copies until it ends (see PoolCallLock.views_safe)
+            thread.start()  # (under the lock: a reset() waits until it can join a started thread)
         return self
 
     def _capture_in_background(self) -> None:
@@ -468,6 +469,8 @@ class GraphRunner:
             log.error("bcg.GraphRunner(%s): the background capture stopped: %s: %s",
                       self.name, type(exc).__name__, exc, exc_info=exc)
         finally:
+            with self._lock.lock:
+                self._lock.background -= 1
             self._capture_total_s += time.perf_counter() - t_start
             log.info("bcg.GraphRunner(%s): background capture done: %d of %d bucket(s) in %.2f s",
                      self.name, len(self.captured_buckets), len(self._buckets_list),
@@ -492,8 +495,7 @@ class GraphRunner:
         thread = self._background
         if thread is None:
             return True
-        if thread is threading.current_thread():
-            raise BcgError("wait_captured() was called from the runner's own capture thread")
+        self._refuse_join_under_lock(thread, "wait_captured()")
         thread.join(timeout)
         if thread.is_alive():
             return False
@@ -504,6 +506,14 @@ class GraphRunner:
             raise BcgError(f"GraphRunner({self.name}): the background capture stopped: "
                            f"{type(error).__name__}: {error}") from error
         return True
+
+    def _refuse_join_under_lock(self, thread: threading.Thread, what: str) -> None:
+        """Waiting for the capture thread while holding the call lock it needs would never end."""
+        if thread is threading.current_thread():
+            raise BcgError(f"{what} was called from the runner's own capture thread")
+        if thread.is_alive() and self._lock.reader == threading.get_ident():
+            raise BcgError(f"{what} was called inside `with runner.locked():` while a background capture "
+                           "runs: it waits for the capture, which waits for that lock. Call it outside the block")
 
     def _uncaptured(self) -> list[int]:
         """The buckets neither captured nor failed, largest first."""
@@ -766,7 +776,7 @@ class GraphRunner:
             if handed is not None and self._mode == "graph":  # on the runner's own buffers: after
                 self._lock.serialize_streams(self._device.index or 0)  # the last work on them
             out = self._fallback("not_captured_yet", inputs, live, choice)
-            if not self._capturing_in_background():  # (else the background thread captures it)
+            if self._lazy and not self._capturing_in_background():  # (else the background thread does)
                 self._capture_lazily(chosen)
             return out
         if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
@@ -1091,9 +1101,10 @@ class GraphRunner:
         """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse.
 
         A background capture is stopped first (after the bucket it is capturing)."""
-        self._stop_background.set()
         thread = self._background
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None:
+            self._refuse_join_under_lock(thread, "reset()")
+            self._stop_background.set()
             thread.join()
         self._background, self._background_error = None, None
         with self._lock.lock:

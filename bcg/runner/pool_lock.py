@@ -26,10 +26,15 @@ class PoolCallLock:
         self.first_caller: int | None = None  # thread ident of the first call
         self.shared = False  # called from more than one thread
         self.reader: int | None = None  # the thread inside ``locked()``
+        self.background = 0  # background captures into the pool under way (each bucket's writes the pool)
 
     def views_safe(self) -> bool:
-        """Whether this call (under the lock) may return views: one calling thread so far, or ``locked()``."""
+        """Whether this call (under the lock) may return views: one calling thread so far, or
+        ``locked()``; and no background capture under way, whose next bucket would write the pool
+        before the caller reads the view (except inside ``locked()``)."""
         me = threading.get_ident()
+        if self.background and self.reader != me:
+            return False
         if self.first_caller is None:
             self.first_caller = me
         elif me != self.first_caller and not self.shared:
