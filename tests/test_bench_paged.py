@@ -73,6 +73,21 @@ def test_padding_is_inert_and_touches_only_the_trash_page() -> None:
     assert 0 in changed  # the padded rows went to the trash page
 
 
+def test_pages_a_request_does_not_read_never_reach_it() -> None:
+    """NaN in the trash page and in a page of another request leaves the batch's rows finite."""
+    q_lens, ctx_lens = (1, 2), (6, 3)
+    cache, batch, q, k, v, hist_k, hist_v = _setup(q_lens, ctx_lens, seed=4, spare=0)  # tables end at the context
+    used = {p for t in batch.tables for p in t}
+    other = next(p for p in range(1, cache.pages) if p not in used)
+    for t in (cache.k[0], cache.v[0]):
+        t[0].fill_(float("nan"))
+        t[other].fill_(float("nan"))
+    out = _run(cache, batch, q, k, v, tokens=batch.tokens + 2, requests=batch.requests + 1, pages=batch.max_pages + 1)
+    T = batch.tokens
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[:T], dense_reference(q, hist_k, hist_v, batch), rtol=1e-5, atol=1e-5)
+
+
 def test_batch_metadata() -> None:
     batch = PagedBatch((1, 3), (5, 3), ((7, 2), (4,)), 4)
     assert batch.positions() == [4, 0, 1, 2]

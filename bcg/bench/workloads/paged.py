@@ -181,7 +181,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     L = P * page
     if flash_paged_usable(q.device, q.dtype):
         cu_k = torch.arange(0, (R + 1) * L, L, device=q.device, dtype=torch.int32)
-        o = _FLASH(q, kg, vg, cu_q, cu_k, max_q, L, 0.0, True, False, seqused_k=ctx)[0]
+        # max_seqlen_q is a bound: at least 2, since at 1 with grouped KV heads the kernel takes a
+        # decode path that reads q as one row per request and ignores cu_seqlens_q (rows here may
+        # be padded past the requests)
+        o = _FLASH(q, kg, vg, cu_q, cu_k, max(max_q, 2), L, 0.0, True, False, seqused_k=ctx)[0]
     else:
         o = _masked_attention(q, kg.view(R, L, KV, D), vg.view(R, L, KV, D), cu_q, ctx)
     rows = torch.arange(T, device=q.device) < cu_q[-1]
@@ -204,7 +207,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     scores = torch.einsum("thd,tlhd->thl", q.float(), kt.float()) * D**-0.5
     visible = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [T, L]
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    return torch.einsum("thl,tlhd->thd", scores.softmax(-1), vt.float()).to(q.dtype)
+    vt = vt.float().masked_fill(~visible.view(T, L, 1, 1), 0.0)  # (0 * NaN of a page not read is NaN)
+    return torch.einsum("thl,tlhd->thd", scores.softmax(-1), vt).to(q.dtype)
 
 
 def dense_reference(q: torch.Tensor, k_ctx: Sequence[torch.Tensor], v_ctx: Sequence[torch.Tensor],
