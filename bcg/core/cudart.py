@@ -168,14 +168,6 @@ class CaptureMark:
         return list(found.values()) if len(found) == expected else None
 
 
-def capture_nodes(stream: int) -> list[Any]:
-    """The nodes recorded so far by the capture active on ``stream`` (none when it is not capturing)."""
-    status, _, graph, _ = capture_info(stream)
-    if status != "active" or not graph:
-        return []
-    return graph_nodes(graph)
-
-
 @functools.cache
 def _node_type_names() -> dict[Any, str]:
     rt = runtime()
