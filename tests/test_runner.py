@@ -284,22 +284,13 @@ def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
 
 def test_waiting_for_a_background_capture_inside_locked_is_refused_not_a_deadlock() -> None:
     model = _llama()
-    inside, release = threading.Event(), threading.Event()
-
-    def capture_live(n: int) -> dict:
-        if threading.current_thread() is not threading.main_thread() and n == 16:
-            inside.set()
-            assert release.wait(30)
-        return _live(n)
-
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
-    runner.capture(background=True)
-    assert inside.wait(30)
-    threading.Timer(0.1, release.set).start()
-    with runner.locked():  # (taken once bucket 16 is captured; the capture thread then waits for it)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    with runner.locked():  # the capture thread, started inside, waits for this lock
+        runner.capture(background=True)
         for wait in (runner.reset, runner.wait_captured, runner.capture):
             with pytest.raises(bcg.BcgError, match="locked"):
                 wait()
+        assert runner.stats()["capturing"]
     assert runner.wait_captured(30) and runner.captured_buckets == [4, 8, 16]
 
 
