@@ -37,9 +37,7 @@ def _run(cache, batch, q, k, v, tokens, requests, pages):  # noqa: ANN001, ANN20
     pad = tokens - q.shape[0]
     qp, kp, vp = (torch.cat([t, torch.randn(pad, *t.shape[1:])]) for t in (q, k, v))
     out = torch.full((tokens, H, D), float("nan"))
-    paged_attention(qp, kp, vp, out, cache.k[0], cache.v[0], torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
-                    torch.tensor(ctx, dtype=torch.int32), torch.tensor(table, dtype=torch.int32).view(requests, pages),
-                    max(batch.q_lens))
+    paged_attention(qp, kp, vp, out, cache.k[0], cache.v[0], slots, cu, ctx, table, max(batch.q_lens))
     return out
 
 
@@ -93,8 +91,11 @@ def test_batch_metadata() -> None:
     assert batch.positions() == [4, 0, 1, 2]
     assert batch.slots() == [2 * 4 + 0, 4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2]
     slots, cu, ctx, table = batch.padded(tokens=6, requests=3, pages=2)
-    assert slots[:4] == batch.slots() and all(s < 4 for s in slots[4:])
-    assert cu == [0, 1, 4, 4] and ctx == [5, 3, 0] and table == [7, 2, 4, 0, 0, 0]
+    assert slots.dtype == torch.int64 and cu.dtype == ctx.dtype == table.dtype == torch.int32
+    assert slots[:4].tolist() == batch.slots() and all(s < 4 for s in slots[4:].tolist())
+    assert cu.tolist() == [0, 1, 4, 4] and ctx.tolist() == [5, 3, 0] and table.tolist() == [[7, 2], [4, 0], [0, 0]]
+    spare = PagedBatch((1,), (3,), ((9, 8, 7),), 4)  # a table with spare pages, cut to the bound
+    assert spare.padded(tokens=2, requests=1, pages=2)[3].tolist() == [[9, 8]]
     with pytest.raises(ValueError, match="does not fit"):
         batch.padded(tokens=3, requests=3, pages=2)
     with pytest.raises(ValueError):
@@ -174,3 +175,17 @@ def test_decode_steps_through_a_runner_match_eager_and_keep_the_cache_equal(stag
             torch.testing.assert_close(b[1:], a[1:], rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
     stats = runner.stats()
     assert stats["fallbacks"] == dict.fromkeys(stats["fallbacks"], 0) and stats["graph_calls"] == 5
+
+
+def test_staged_tiers_shrink_the_bound_that_sizes_the_work() -> None:
+    """Decode tiers cut the context bound (the gather), mixed ones max_q (the flash grid); the
+    form's own bounds come last, as bcg.StagedTiers wants."""
+    import bcg
+    from bcg.bench.workloads import paged
+
+    assert paged.tiers(1, 128) == [(1, 32), (1, 64)] and paged.tiers(1, 1) == []
+    assert paged.tiers(512, 128) == [(128, 128), (256, 128)] and paged.tiers(2, 8) == [(1, 8)]
+    lives = paged.capture_lives(4, PAGE, max_q=1, pages=8, tiered=True)
+    assert isinstance(lives, bcg.StagedTiers) and [(x.max_q, x.pages) for x in lives] == [(1, 2), (1, 4), (1, 8)]
+    assert all(x.requests == 4 and x.batch.tables == ((0,),) * 4 for x in lives)  # the trash page only
+    assert not isinstance(paged.capture_lives(4, PAGE, max_q=1, pages=8), bcg.StagedTiers)

@@ -39,9 +39,9 @@ def test_decode_and_mixed_points_in_every_graph_mode(tmp_path: Path) -> None:
 
 
 def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_the_trash_page() -> None:
-    """50 random decode batches per bucket (1, 2, 4, 8), staged: outputs match the eager forward on
-    the padded input, the cache's real pages match eager's after every step, and NaN written
-    into the trash page before every call never reaches an output."""
+    """50 random decode batches per bucket (1, 2, 4, 8), staged with context tiers: outputs match
+    the eager forward on the padded input, the cache's real pages match eager's after every step,
+    and NaN written into the trash page before every call never reaches an output."""
     shape = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512, "head_dim": 64}
     model = LlamaModel(shape, torch.device("cuda"), max_pos=512, seed=3)
     page, bound, R = 16, 16, 8  # pages per request: contexts up to 256
@@ -61,10 +61,10 @@ def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_
         lambda x, pos: model.forward(x, pos, runner_layers), buckets,
         example_inputs=(torch.zeros(1, model.hidden, device="cuda", dtype=model.dtype),
                         torch.zeros(1, dtype=torch.long, device="cuda")),
-        capture_live=lambda n: paged.PagedLive(paged.inert_batch(n, page), requests=n, pages=bound, max_q=1),
+        capture_live=lambda n: paged.capture_lives(n, page, max_q=1, pages=bound, tiered=True),
         progress=False,
     ).capture()
-    ctx = [random.Random(r).randint(1, 200) for r in range(R)]
+    ctx = [random.Random(r).randint(1, 160) for r in range(R)]
     rng = random.Random(1)
     for n in buckets:
         for step in range(50):
@@ -93,4 +93,7 @@ def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_
                 torch.testing.assert_close(b[1:], a[1:], rtol=2e-2, atol=2e-2)
     stats = runner.stats()
     assert stats["graph_calls"] == 200 and stats["inline_replays"] == 200
+    # the context tiers (4 and 8 pages of 16) served the batches whose contexts fit them
+    per_form = [runner.graph(n).stats().staged.replays for n in buckets]
+    assert all(len(r) == 3 for r in per_form) and sum(r[0] + r[1] for r in per_form) > 0, per_form
     runner.reset()

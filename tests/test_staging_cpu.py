@@ -225,6 +225,22 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
         bcg.StagingBuffer(2, dtype=torch.bfloat16, device="cpu")
 
 
+def test_a_tensor_of_the_buffers_dtype_is_copied_whole_and_still_collected_for_upload() -> None:
+    """The memcpy route (large metadata such as block tables): the same checks of size, the
+    buffer collected for upload like a packed write; another dtype is packed and range-checked."""
+    from bcg.staged.staging import collecting
+
+    table = bcg.StagingBuffer((3, 4), dtype=torch.int32, device="cpu")
+    values = torch.randint(0, 1000, (3, 4), dtype=torch.int32)
+    with collecting() as written:
+        table.write(values)
+    assert written == [table] and torch.equal(table.host, values)
+    with pytest.raises(ValueError, match="every element"):
+        table.write(torch.zeros(11, dtype=torch.int32))
+    with pytest.raises(TypeError, match="int32 values"):
+        table.write(torch.full((12,), 2**31, dtype=torch.int64))
+
+
 def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:
     from bcg.core.breakpoint import recording
     from bcg.staged.staging import StagedWarmup

@@ -112,7 +112,9 @@ class StagingBuffer:
 
     def write(self, values: Sequence[Any] | torch.Tensor) -> None:
         """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
-        into the pinned host copy, once the previous value was copied to the device."""
+        into the pinned host copy, once the previous value was copied to the device. A CPU tensor
+        of the buffer's dtype is copied in one memcpy (the fast route for large metadata, such as
+        block tables); numbers, and tensors of another dtype, are packed and range-checked."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
         if (self._read_pending or self._read_in_graph) and (
                 written is None or not torch.cuda.is_current_stream_capturing()):
@@ -130,7 +132,12 @@ class StagingBuffer:
                     f"StagingBuffer.write takes host values or a CPU tensor, not a {values.device} tensor "
                     "(reading it would wait on the GPU)"
                 )
-            values = values.reshape(-1).tolist()
+            if values.dtype == self.host.dtype and values.numel() == self._numel:
+                self.host.view(-1).copy_(values.reshape(-1))  # one memcpy, whatever the size
+                if written is not None and self not in written:
+                    written.append(self)
+                return
+            values = values.reshape(-1).tolist()  # another dtype: packed, so values are range-checked
         if len(values) != self._numel:
             raise ValueError(
                 f"StagingBuffer.write got {len(values)} values for a buffer of {self._numel}: "

@@ -217,9 +217,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         if value % tp:
             return f"--tp {tp} must divide {text}: each rank holds an equal share"
     small = [T for T in args.tokens if T < args.requests]
-    if small:
+    prefill = [a for a in args.attn if a not in paged.KINDS]  # decode: T is the requests; mixed: any T
+    if small and prefill:
         return (f"--tokens {','.join(map(str, small))} is smaller than --requests {args.requests}: "
-                "every request needs at least one token")
+                f"every request of a {prefill[0]} prefill needs at least one token")
     big = [k for k in tiers_of(args) if k >= args.slots]
     if big:
         return (f"--slot-tiers {','.join(map(str, big))} must be below --slots {args.slots}: a tier is a "
@@ -276,7 +277,8 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "attn": list(args.attn),
         "slots": args.slots,
         "slot_tiers": tiers_of(args),
-        "lengths": {str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens},
+        "lengths": ({str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens}
+                    if any(a not in paged.KINDS for a in args.attn) else {}),  # the prefill requests
     }
 
 
@@ -913,9 +915,8 @@ def _paged_case(model: LlamaModel, args: argparse.Namespace, device: torch.devic
     staged = paged.StagedPagedAttention(rows, batch.requests, bound, page, device)
     max_q = 1 if kind == "decode" else rows
 
-    def capture_live(n: int) -> paged.PagedLive:  # warm-ups and captures write the trash page only
-        return paged.PagedLive(paged.inert_batch(min(n, batch.requests), page), requests=batch.requests,
-                               pages=bound, max_q=max_q)
+    def capture_live(n: int, tiered: bool = False) -> Any:  # warm-ups and captures write the trash page only
+        return paged.capture_lives(min(n, batch.requests), page, max_q, bound, tiered)
 
     case = Case(
         workload=NAME,
@@ -938,7 +939,8 @@ def _paged_case(model: LlamaModel, args: argparse.Namespace, device: torch.devic
         live_for=capture_live,
     )
     case.staged = dataclasses.replace(case, bp=staged.breakpoint, live=paged.PagedLive(batch),
-                                      new_live=lambda: paged.PagedLive(batch), live_for=capture_live)
+                                      new_live=lambda: paged.PagedLive(batch),
+                                      live_for=functools.partial(capture_live, tiered=True))
     return case
 
 

@@ -97,24 +97,38 @@ class PagedBatch:
         return [t[p // self.page] * self.page + p % self.page
                 for q, c, t in zip(self.q_lens, self.ctx_lens, self.tables) for p in range(c - q, c)]
 
-    def padded(self, tokens: int, requests: int, pages: int) -> tuple[list[int], list[int], list[int], list[int]]:
-        """``(slots, cu_q, ctx, table)`` as flat host lists over static bounds: ``tokens`` rows,
-        ``requests`` slots of ``pages`` pages each. Padded rows write to the trash page; padded
+    @functools.cached_property
+    def _host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slots, cu_q, ctx, table)`` as CPU tensors over the batch itself, built once (the
+        arrays a serving engine's scheduler keeps): what :meth:`padded` copies from."""
+        width = max(len(t) for t in self.tables)
+        table = torch.zeros(self.requests, width, dtype=torch.int32)
+        for r, t in enumerate(self.tables):
+            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return (torch.tensor(self.slots(), dtype=torch.int64),
+                torch.tensor(list(itertools.accumulate(self.q_lens, initial=0)), dtype=torch.int32),
+                torch.tensor(self.ctx_lens, dtype=torch.int32), table)
+
+    def padded(self, tokens: int, requests: int, pages: int) -> tuple[torch.Tensor, ...]:
+        """``(slots, cu_q, ctx, table)`` as CPU tensors over static bounds: ``tokens`` rows
+        (int64), ``requests`` slots (int32 ``[requests + 1]`` and ``[requests]``) of ``pages``
+        pages each (int32 ``[requests, pages]``). Padded rows write to the trash page; padded
         requests take no token (their ``cu_q`` offset repeats) and have no context; unused table
         entries point at the trash page."""
         if self.tokens > tokens or self.requests > requests or self.max_pages > pages:
             raise ValueError(f"a batch of {self.tokens} tokens, {self.requests} requests and {self.max_pages} "
                              f"pages does not fit {tokens} tokens, {requests} requests, {pages} pages")
-        slots = self.slots()
-        slots += [p % self.page for p in range(tokens - len(slots))]  # the trash page's slots
-        cu = list(itertools.accumulate(self.q_lens, initial=0))
-        cu += [cu[-1]] * (requests - self.requests)
-        ctx = list(self.ctx_lens) + [0] * (requests - self.requests)
-        table = [0] * (requests * pages)
-        for r, t in enumerate(self.tables):
-            n = min(len(t), pages)
-            table[r * pages: r * pages + n] = t[:n]
-        return slots, cu, ctx, table
+        slots, cu, ctx, table = self._host
+        R, n = self.requests, min(table.shape[1], pages)
+        out_slots = torch.arange(tokens, dtype=torch.int64).remainder_(self.page)  # the trash page's slots
+        out_slots[: self.tokens] = slots
+        out_cu = torch.full((requests + 1,), self.tokens, dtype=torch.int32)
+        out_cu[: R + 1] = cu
+        out_ctx = torch.zeros(requests, dtype=torch.int32)
+        out_ctx[:R] = ctx
+        out_table = torch.zeros(requests, pages, dtype=torch.int32)
+        out_table[:R, :n] = table[:, :n]
+        return out_slots, out_cu, out_ctx, out_table
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -258,12 +272,9 @@ class PagedLive:
         key = (rows, device)
         if key not in self._device:
             b = self.batch
-            slots, cu, ctx, table = b.padded(rows, b.requests, b.max_pages)
-            pin = device.type == "cuda"
-            host = (torch.tensor(slots, dtype=torch.int64, pin_memory=pin),
-                    torch.tensor(cu, dtype=torch.int32, pin_memory=pin),
-                    torch.tensor(ctx, dtype=torch.int32, pin_memory=pin),
-                    torch.tensor(table, dtype=torch.int32, pin_memory=pin).view(b.requests, b.max_pages))
+            host = b.padded(rows, b.requests, b.max_pages)
+            if device.type == "cuda":
+                host = tuple(t.pin_memory() for t in host)
             self._device[key] = tuple(t.to(device, non_blocking=True) for t in host)
         return self._device[key]
 
@@ -333,7 +344,7 @@ class StagedPagedAttention:
         """Write the batch's metadata over the buffers' bounds (host only); return the views the
         form captured with ``live`` reads (its bounds: ``live``'s, else the buffers')."""
         slots, cu, ctx, table = live.batch.padded(self.tokens, self.requests, self.pages)
-        self.slots.write(slots)
+        self.slots.write(slots)  # CPU tensors of the buffers' dtypes: one memcpy each
         self.cu.write(cu)
         self.ctx.write(ctx)
         self.table.write(table)
@@ -342,6 +353,28 @@ class StagedPagedAttention:
         return StagedPaged(self.slots.device, self.cu.device[: requests + 1], self.ctx.device[:requests],
                            self.table.device.view(self.requests, self.pages)[:requests, :pages],
                            live.max_q or self.tokens)
+
+
+def tiers(max_q: int, pages: int) -> list[tuple[int, int]]:
+    """Staged tiers below a form's bounds, as ``(max_q, pages)`` pairs, smallest first: a quarter
+    and a half of the bound that sizes the attention's work. Decode (``max_q`` 1): the context
+    bound, since the gather reads ``pages`` pages per request. Mixed: ``max_q``, since the flash
+    kernel launches blocks for ``max_q`` rows per request and head (the decode requests' long
+    contexts keep the context bound up)."""
+    if max_q == 1:
+        return [(1, p) for p in sorted({pages // 4, pages // 2}) if 0 < p < pages]
+    return [(q, pages) for q in sorted({max_q // 4, max_q // 2}) if 0 < q < max_q]
+
+
+def capture_lives(requests: int, page: int, max_q: int, pages: int, tiered: bool = False) -> Any:
+    """What a capture of a paged form runs with: :func:`inert_batch` metadata, the form's bounds
+    (``requests`` slots of ``pages`` pages, ``max_q``); ``tiered``: a :class:`bcg.StagedTiers`
+    with the forms of :func:`tiers` before it (for a staged attention)."""
+    live = PagedLive(inert_batch(requests, page), requests=requests, pages=pages, max_q=max_q)
+    if not tiered:
+        return live
+    return bcg.StagedTiers(*(PagedLive(inert_batch(requests, page), requests=requests, pages=p, max_q=q)
+                             for q, p in tiers(max_q, pages)), live)
 
 
 def per_layer(bp: Any, cache: PagedKVCache) -> list[Any]:
