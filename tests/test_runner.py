@@ -796,3 +796,40 @@ def test_concurrent_calls_are_serialized_and_correct() -> None:
     errors = run_in_threads(work, range(4))
     assert not errors, errors
     assert runner.stats()["calls"] == 40
+
+
+_EXIT_SCRIPT = """
+import logging, sys, threading, time
+import torch
+import bcg
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+def capture_live(n):
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(0.3)  # a slow bucket, so the ladder is still under way when the main thread ends
+    return None
+
+runner = bcg.GraphRunner(lambda x: x * 2, [2, 4, 8, 16, 32, 64, 128, 256], example_inputs=(torch.randn(3, 4),),
+                         capture_live=capture_live, progress=False)
+runner.capture(background=True)
+time.sleep(0.5)
+assert runner.stats()["capturing"]
+print("main thread ends", flush=True)
+"""
+
+
+def test_the_interpreter_exits_cleanly_during_a_background_capture_and_stops_it_early() -> None:
+    """The main thread ends while the ladder captures: the capture thread (not a daemon, since an
+    interpreter exiting under a CUDA capture aborts) stops after its bucket under way, and the
+    process exits 0 without capturing the rest of the ladder."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "main thread ends" in done.stdout
+    line = [x for x in done.stderr.splitlines() if "background capture done" in x]
+    assert line, done.stderr
+    captured = int(line[0].split("done: ")[1].split(" of ")[0])
+    assert captured < 8, line[0]

@@ -121,13 +121,28 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
     runner.reset()
 
 
-@pytest.mark.parametrize("own_buffers", [False, True])
-def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(own_buffers: bool) -> None:
+class _DrawsRandomNumbers(torch.nn.Module):
+    """``model`` plus zero times a dropout: the same values, and a draw on the default generator."""
+
+    def __init__(self, model: TinyLlama) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model(x, pos) + 0.0 * torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+@pytest.mark.parametrize("own_buffers, rng", [(False, False), (True, False), (False, True)],
+                         ids=["inputs", "own_buffers", "draws_rng"])
+def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(own_buffers: bool, rng: bool) -> None:
     """capture(background=True): this thread calls the runner continuously while the ladder
     captures on the runner's thread ("thread_local", on bcg's capture stream). Every call is
     right: eager (unpadded) while its bucket is not captured yet, bit-identical to eager on the
-    padded input once it is; calls on input_buffers() too (a capture gives them their values back)."""
-    model = _model()
+    padded input once it is; calls on input_buffers() too (a capture gives them their values back);
+    a forward that draws random numbers too (its eager calls wait for the gaps between captures:
+    a draw during another thread's capture raises in torch)."""
+    ref = _model()  # the expected values, computed here during captures: no draw
+    model = _DrawsRandomNumbers(ref) if rng else ref
     buckets = [16, 32, 64, 128, 256]
     x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
     runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live, progress=False)
@@ -152,10 +167,10 @@ def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(
         eager = runner.stats()["fallbacks"]["not_captured_yet"] > before
         if eager:
             with bcg.live_scope(live), torch.no_grad():
-                expected = model(x, pos)
+                expected = ref(x, pos)
             eager_calls += 1
         else:
-            expected = _padded_eager(model, x, live, n)
+            expected = _padded_eager(ref, x, live, n)
             graph_calls += 1
         assert torch.equal(y, expected), f"T={T}, bucket {n}, {'eager' if eager else 'replayed'}"
     assert runner.wait_captured(60)

@@ -234,6 +234,7 @@ class GraphRunner:
         # A warm-up drew random numbers (the default generator moved): captures then run the
         # forward's last segment, the only way bcg learns whether that segment uses RNG.
         self._draws_rng = False
+        self._rng_known = False  # a warm-up has answered _draws_rng (graph mode)
 
     def _choose_probe_size(self) -> int:
         """A second size to run once, so the first bucket captured knows which dims grow with the size."""
@@ -291,8 +292,9 @@ class GraphRunner:
         with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph") as recorder:
             with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
-        if generator is not None and generator.get_offset() != offset:
-            self._draws_rng = True
+        if generator is not None:
+            self._draws_rng = self._draws_rng or generator.get_offset() != offset
+            self._rng_known = True
         leaves, spec = pytree.tree_flatten(out)
         self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
         return out
@@ -428,8 +430,10 @@ class GraphRunner:
             self._captured = True  # calls are served from now on
             self._background_error = None
             self._stop_background.clear()
+            # Not a daemon: an interpreter exiting under a capture aborts the process. At exit
+            # (the main thread has ended) the thread stops after the bucket under way.
             thread = threading.Thread(target=self._capture_in_background, name=f"bcg-capture-{self.name}",
-                                      daemon=True)
+                                      daemon=False)
             self._background = thread
             self._lock.background += 1  # calls return copies until it ends (see PoolCallLock.views_safe)
             thread.start()  # (under the lock: a reset() waits until it can join a started thread)
@@ -447,7 +451,7 @@ class GraphRunner:
                         self._prepare_captures()
                     self._order_with_calls()
                 for n in sorted(self._buckets_list, reverse=True):
-                    if self._stop_background.is_set():
+                    if self._stop_background.is_set() or not threading.main_thread().is_alive():
                         break
                     with self._lock.lock, self._capturing():
                         bucket = self._buckets[n]
@@ -834,7 +838,11 @@ class GraphRunner:
         """During a background capture, a call whose bucket is not captured yet runs eagerly
         without waiting for the call lock: it reads only its own inputs. Returns ``_NOT_EAGER``
         for a call that needs the lock (its bucket is captured or failed, it is above the ladder,
-        or its inputs are the runner's own buffers, which a capture rewrites)."""
+        or its inputs are the runner's own buffers, which a capture rewrites; or the forward
+        may draw random numbers: torch marks the default CUDA generator as capturing during every
+        capture, and a draw from another thread then raises)."""
+        if self._mode == "graph" and (self._draws_rng or not self._rng_known):
+            return _NOT_EAGER  # eager under the lock: between two buckets' captures
         first = inputs[self._first_padded] if len(inputs) > self._first_padded else None
         if first is not None and id(first) in self._handed_ids:
             return _NOT_EAGER

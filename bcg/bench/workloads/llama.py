@@ -993,9 +993,11 @@ def _lifecycle(model: LlamaModel, args: argparse.Namespace, device: torch.device
         return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos),
                                capture_live=lambda n: Batch.build(lengths_for(n), device), progress=False, **options)
 
+    gen = torch.Generator(device=device).manual_seed(args.seed)  # not the default one: see docs/runner.md
+
     def batch(T: int) -> tuple[tuple[Any, ...], Any]:
         lengths = lengths_for(T)
-        xs = torch.randn(T, model.hidden, device=device, dtype=model.dtype)
+        xs = torch.randn(T, model.hidden, device=device, dtype=model.dtype, generator=gen)
         ps = torch.cat([torch.arange(n, device=device) for n in lengths])
         return (xs, ps), Batch.build(lengths, device)
 
