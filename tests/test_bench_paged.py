@@ -3,6 +3,7 @@ dense reference, and padding that touches nothing but the trash page."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +38,8 @@ def _run(cache, batch, q, k, v, tokens, requests, pages):  # noqa: ANN001, ANN20
     pad = tokens - q.shape[0]
     qp, kp, vp = (torch.cat([t, torch.randn(pad, *t.shape[1:])]) for t in (q, k, v))
     out = torch.full((tokens, H, D), float("nan"))
-    paged_attention(qp, kp, vp, out, cache.k[0], cache.v[0], slots, cu, ctx, table, max(batch.q_lens))
+    paged_attention(qp, kp, vp, out, cache.k[0], cache.v[0], *map(torch.from_numpy, (slots, cu, ctx, table)),
+                    max(batch.q_lens))
     return out
 
 
@@ -91,7 +93,7 @@ def test_batch_metadata() -> None:
     assert batch.positions() == [4, 0, 1, 2]
     assert batch.slots() == [2 * 4 + 0, 4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2]
     slots, cu, ctx, table = batch.padded(tokens=6, requests=3, pages=2)
-    assert slots.dtype == torch.int64 and cu.dtype == ctx.dtype == table.dtype == torch.int32
+    assert slots.dtype == np.int64 and cu.dtype == ctx.dtype == table.dtype == np.int32
     assert slots[:4].tolist() == batch.slots() and all(s < 4 for s in slots[4:].tolist())
     assert cu.tolist() == [0, 1, 4, 4] and ctx.tolist() == [5, 3, 0] and table.tolist() == [[7, 2], [4, 0], [0, 0]]
     spare = PagedBatch((1,), (3,), ((9, 8, 7),), 4)  # a table with spare pages, cut to the bound

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import warnings
 
 import pytest
@@ -833,3 +834,27 @@ def test_the_interpreter_exits_cleanly_during_a_background_capture_and_stops_it_
     assert line, done.stderr
     captured = int(line[0].split("done: ")[1].split(" of ")[0])
     assert captured < 8, line[0]
+
+
+def test_a_caller_waiting_for_the_lock_gets_in_between_two_buckets_of_a_background_capture() -> None:
+    """The capture thread takes the call lock per bucket and lets waiting callers in first:
+    a ``locked()`` block (and so a call on input_buffers) waits for one bucket, not the ladder."""
+    model = _llama()
+    buckets = [2, 4, 8, 16, 32, 64, 128, 256]
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)  # a slow bucket
+        return _live(n)
+
+    runner = _runner(model, buckets, (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner.capture(background=True)
+    deadline = time.monotonic() + 30
+    while not runner.captured_buckets and time.monotonic() < deadline:
+        time.sleep(0.001)
+    got_in = []
+    for _ in range(3):
+        with runner.locked():
+            got_in.append(len(runner.captured_buckets))
+    assert runner.wait_captured(60) and runner.captured_buckets == buckets
+    assert got_in[-1] < len(buckets), got_in  # three waits, each of about one bucket

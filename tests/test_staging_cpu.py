@@ -226,8 +226,9 @@ def test_staging_buffer_takes_exactly_its_size() -> None:
 
 
 def test_a_tensor_of_the_buffers_dtype_is_copied_whole_and_still_collected_for_upload() -> None:
-    """The memcpy route (large metadata such as block tables): the same checks of size, the
-    buffer collected for upload like a packed write; another dtype is packed and range-checked."""
+    """The memcpy route (large metadata such as block tables; a tensor or a NumPy array): the same
+    checks of size, the buffer collected for upload like a packed write; another dtype is packed
+    and range-checked."""
     from bcg.staged.staging import collecting
 
     table = bcg.StagingBuffer((3, 4), dtype=torch.int32, device="cpu")
@@ -239,6 +240,10 @@ def test_a_tensor_of_the_buffers_dtype_is_copied_whole_and_still_collected_for_u
         table.write(torch.zeros(11, dtype=torch.int32))
     with pytest.raises(TypeError, match="int32 values"):
         table.write(torch.full((12,), 2**31, dtype=torch.int64))
+    array = values.numpy() + 1  # a NumPy array: the same route
+    with collecting() as written:
+        table.write(array)
+    assert written == [table] and table.host.tolist() == array.tolist()
 
 
 def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_included() -> None:

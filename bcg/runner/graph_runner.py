@@ -367,16 +367,25 @@ class GraphRunner:
             )
             return self
 
-    def _prepare_captures(self) -> None:
+    def _prepare_captures(self, first: int | None = None) -> None:
         """Before the first bucket's capture: the static buffers, and the probe run (under the
-        capture lock) that tells which output dims grow with the size."""
+        capture lock) that tells which output dims grow with the size.
+
+        ``first``: the bucket a lazy call captures first. Unless it is the largest, the probe
+        runs at the largest bucket with its allocations in the pool, so the pool holds
+        segments sized for the largest bucket, which the captures then carve from in whatever
+        order calls bring buckets (otherwise each larger bucket adds segments of its own).
+        """
         if self._static is not None and self._out_shapes:
             return
         self._setup()
+        largest = self._buckets_list[-1]
+        reserve = first is not None and first != largest and self._lease is not None
         try:
-            self._run_recorded(self._probe_size)
+            with self._lease.allocating() if reserve and self._lease is not None else contextlib.nullcontext():
+                self._run_recorded(largest if reserve else self._probe_size)
         except Exception as exc:  # the buckets' own warm-ups report failures
-            log.debug("bcg.GraphRunner: the probe run at size %d raised: %r", self._probe_size, exc)
+            log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
 
     def _capture_one(self, bucket: _Bucket, trigger: str) -> None:
         """Warm up and capture ``bucket`` (under the capture lock); a failure is logged and the
@@ -409,7 +418,7 @@ class GraphRunner:
         """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held)."""
         with self._capturing(), self._on_device():
             t_start = time.perf_counter()
-            self._prepare_captures()
+            self._prepare_captures(first=bucket.size)
             self._capture_one(bucket, "lazy")
             self._finish_bucket(bucket)
             self._capture_total_s += time.perf_counter() - t_start
@@ -451,6 +460,7 @@ class GraphRunner:
                         self._prepare_captures()
                     self._order_with_calls()
                 for n in sorted(self._buckets_list, reverse=True):
+                    self._lock.let_callers_in()  # a call waiting for the lock runs before this bucket
                     if self._stop_background.is_set() or not threading.main_thread().is_alive():
                         break
                     with self._lock.lock, self._capturing():
@@ -713,7 +723,7 @@ class GraphRunner:
             out = self._eager_while_capturing(inputs, live)
             if out is not _NOT_EAGER:
                 return out
-        with self._lock.lock:
+        with self._lock.for_caller():
             if not self._captured:
                 if not self._lazy:
                     raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
@@ -883,7 +893,7 @@ class GraphRunner:
                 logits = head(y)          # reads the view while no other call can run
         """
         guard = self._lock
-        with guard.lock:
+        with guard.for_caller():
             me = threading.get_ident()
             previous, guard.reader = guard.reader, me
             try:
@@ -975,7 +985,7 @@ class GraphRunner:
             checked: do not change their metadata in place (``unsqueeze_``,
             ``resize_``, ``as_strided_``).
         """
-        with self._lock.lock:
+        with self._lock.for_caller():
             if self._lazy and self._static is None:
                 with self._on_device():
                     self._setup()

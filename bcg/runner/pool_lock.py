@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -27,6 +30,31 @@ class PoolCallLock:
         self.shared = False  # called from more than one thread
         self.reader: int | None = None  # the thread inside ``locked()``
         self.background = 0  # background captures into the pool under way (each bucket's writes the pool)
+        self._waiting = 0  # callers waiting for the lock (see let_callers_in)
+        self._count = threading.Lock()
+
+    @contextlib.contextmanager
+    def for_caller(self) -> Iterator[None]:
+        """Hold the lock for a call (or ``locked()``), counted as waiting until it has it."""
+        with self._count:
+            self._waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def let_callers_in(self, timeout: float = 1.0) -> None:
+        """Between two steps of a background capture (not holding the lock): wait until no caller
+        waits for the lock, at most ``timeout`` seconds. Python's lock is not fair: a thread that
+        releases it and takes it again at once can keep a waiting caller out for a whole ladder."""
+        deadline = time.monotonic() + timeout
+        while self._waiting and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
     def views_safe(self) -> bool:
         """Whether this call (under the lock) may return views: one calling thread so far, or

@@ -48,6 +48,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from bcg.core import cudart
@@ -110,11 +111,12 @@ class StagingBuffer:
         """The device tensor the captured kernels read."""
         return self._device_tensor
 
-    def write(self, values: Sequence[Any] | torch.Tensor) -> None:
-        """Write ``values`` (as many numbers as the buffer holds: host numbers, or a CPU tensor)
-        into the pinned host copy, once the previous value was copied to the device. A CPU tensor
-        of the buffer's dtype is copied in one memcpy (the fast route for large metadata, such as
-        block tables); numbers, and tensors of another dtype, are packed and range-checked."""
+    def write(self, values: Sequence[Any] | torch.Tensor | np.ndarray) -> None:
+        """Write ``values`` (as many numbers as the buffer holds: host numbers, a CPU tensor or a
+        NumPy array) into the pinned host copy, once the previous value was copied to the device.
+        An array or CPU tensor of the buffer's dtype is copied in one memcpy (the fast route for
+        large metadata, such as block tables); numbers, and arrays of another dtype, are packed
+        and range-checked."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
         if (self._read_pending or self._read_in_graph) and (
                 written is None or not torch.cuda.is_current_stream_capturing()):
@@ -132,8 +134,10 @@ class StagingBuffer:
                     f"StagingBuffer.write takes host values or a CPU tensor, not a {values.device} tensor "
                     "(reading it would wait on the GPU)"
                 )
-            if values.dtype == self.host.dtype and values.numel() == self._numel:
-                self.host.view(-1).copy_(values.reshape(-1))  # one memcpy, whatever the size
+            values = values.detach().numpy()
+        if isinstance(values, np.ndarray):
+            if values.dtype == self._host_buffer.dtype and values.size == self._numel:
+                np.copyto(self._host_buffer, values.reshape(-1))  # one memcpy, whatever the size
                 if written is not None and self not in written:
                     written.append(self)
                 return

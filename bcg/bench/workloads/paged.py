@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 import bcg
@@ -83,11 +84,6 @@ class PagedBatch:
     def max_q(self) -> int:
         return max(self.q_lens)
 
-    @property
-    def max_pages(self) -> int:
-        """The most pages a request's context covers."""
-        return max(math.ceil(c / self.page) for c in self.ctx_lens)
-
     def positions(self) -> list[int]:
         """Each new token's position in its request (RoPE), in row order."""
         return [p for q, c in zip(self.q_lens, self.ctx_lens) for p in range(c - q, c)]
@@ -98,37 +94,43 @@ class PagedBatch:
                 for q, c, t in zip(self.q_lens, self.ctx_lens, self.tables) for p in range(c - q, c)]
 
     @functools.cached_property
-    def _host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(slots, cu_q, ctx, table)`` as CPU tensors over the batch itself, built once (the
+    def _host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(slots, cu_q, ctx, table)`` as host arrays over the batch itself, built once (the
         arrays a serving engine's scheduler keeps): what :meth:`padded` copies from."""
         width = max(len(t) for t in self.tables)
-        table = torch.zeros(self.requests, width, dtype=torch.int32)
+        table = np.zeros((self.requests, width), dtype=np.int32)
         for r, t in enumerate(self.tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return (torch.tensor(self.slots(), dtype=torch.int64),
-                torch.tensor(list(itertools.accumulate(self.q_lens, initial=0)), dtype=torch.int32),
-                torch.tensor(self.ctx_lens, dtype=torch.int32), table)
+            table[r, : len(t)] = t
+        return (np.array(self.slots(), dtype=np.int64),
+                np.array(list(itertools.accumulate(self.q_lens, initial=0)), dtype=np.int32),
+                np.array(self.ctx_lens, dtype=np.int32), table)
 
-    def padded(self, tokens: int, requests: int, pages: int) -> tuple[torch.Tensor, ...]:
-        """``(slots, cu_q, ctx, table)`` as CPU tensors over static bounds: ``tokens`` rows
+    def padded(self, tokens: int, requests: int, pages: int) -> tuple[np.ndarray, ...]:
+        """``(slots, cu_q, ctx, table)`` as host arrays over static bounds: ``tokens`` rows
         (int64), ``requests`` slots (int32 ``[requests + 1]`` and ``[requests]``) of ``pages``
         pages each (int32 ``[requests, pages]``). Padded rows write to the trash page; padded
         requests take no token (their ``cu_q`` offset repeats) and have no context; unused table
-        entries point at the trash page."""
+        entries point at the trash page. (NumPy: a few small host copies, and no torch op, which
+        costs more on the host.)"""
         if self.tokens > tokens or self.requests > requests or self.max_pages > pages:
             raise ValueError(f"a batch of {self.tokens} tokens, {self.requests} requests and {self.max_pages} "
                              f"pages does not fit {tokens} tokens, {requests} requests, {pages} pages")
         slots, cu, ctx, table = self._host
         R, n = self.requests, min(table.shape[1], pages)
-        out_slots = torch.arange(tokens, dtype=torch.int64).remainder_(self.page)  # the trash page's slots
+        out_slots = np.arange(tokens, dtype=np.int64) % self.page  # the trash page's slots
         out_slots[: self.tokens] = slots
-        out_cu = torch.full((requests + 1,), self.tokens, dtype=torch.int32)
+        out_cu = np.full(requests + 1, self.tokens, dtype=np.int32)
         out_cu[: R + 1] = cu
-        out_ctx = torch.zeros(requests, dtype=torch.int32)
+        out_ctx = np.zeros(requests, dtype=np.int32)
         out_ctx[:R] = ctx
-        out_table = torch.zeros(requests, pages, dtype=torch.int32)
+        out_table = np.zeros((requests, pages), dtype=np.int32)
         out_table[:R, :n] = table[:, :n]
         return out_slots, out_cu, out_ctx, out_table
+
+    @functools.cached_property
+    def max_pages(self) -> int:
+        """The most pages a request's context covers."""
+        return max(math.ceil(c / self.page) for c in self.ctx_lens)
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -272,7 +274,7 @@ class PagedLive:
         key = (rows, device)
         if key not in self._device:
             b = self.batch
-            host = b.padded(rows, b.requests, b.max_pages)
+            host = tuple(torch.from_numpy(a) for a in b.padded(rows, b.requests, b.max_pages))
             if device.type == "cuda":
                 host = tuple(t.pin_memory() for t in host)
             self._device[key] = tuple(t.to(device, non_blocking=True) for t in host)
@@ -344,7 +346,7 @@ class StagedPagedAttention:
         """Write the batch's metadata over the buffers' bounds (host only); return the views the
         form captured with ``live`` reads (its bounds: ``live``'s, else the buffers')."""
         slots, cu, ctx, table = live.batch.padded(self.tokens, self.requests, self.pages)
-        self.slots.write(slots)  # CPU tensors of the buffers' dtypes: one memcpy each
+        self.slots.write(slots)  # arrays of the buffers' dtypes: one memcpy each
         self.cu.write(cu)
         self.ctx.write(ctx)
         self.table.write(table)
