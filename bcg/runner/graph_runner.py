@@ -337,6 +337,9 @@ class GraphRunner:
             While a background capture runs, code on other threads must not
             synchronize the whole device (``torch.cuda.synchronize()``): CUDA
             refuses that during any capture. Synchronize streams or events.
+            Nor draw random numbers from the default CUDA generator, which torch
+            marks as capturing during every capture: use a ``torch.Generator``
+            of your own.
         """
         if background:
             return self._start_background()
@@ -380,10 +383,10 @@ class GraphRunner:
             return
         self._setup()
         largest = self._buckets_list[-1]
-        reserve = first is not None and first != largest and self._lease is not None
+        lease = self._lease if first is not None and first != largest else None  # (graph mode only)
         try:
-            with self._lease.allocating() if reserve and self._lease is not None else contextlib.nullcontext():
-                self._run_recorded(largest if reserve else self._probe_size)
+            with lease.allocating() if lease is not None else contextlib.nullcontext():
+                self._run_recorded(largest if lease is not None else self._probe_size)
         except Exception as exc:  # the buckets' own warm-ups report failures
             log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
 
