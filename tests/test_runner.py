@@ -836,25 +836,34 @@ def test_the_interpreter_exits_cleanly_during_a_background_capture_and_stops_it_
     assert captured < 8, line[0]
 
 
-def test_a_caller_waiting_for_the_lock_gets_in_between_two_buckets_of_a_background_capture() -> None:
-    """The capture thread takes the call lock per bucket and lets waiting callers in first:
-    a ``locked()`` block (and so a call on input_buffers) waits for one bucket, not the ladder."""
-    model = _llama()
-    buckets = [2, 4, 8, 16, 32, 64, 128, 256]
+def test_a_caller_waiting_for_the_call_lock_gets_in_at_the_capture_threads_next_step() -> None:
+    """A background capture takes the call lock per bucket and calls let_callers_in() before each:
+    a caller waiting in for_caller() (a call, locked(), input_buffers()) gets the lock within one
+    step. (Without let_callers_in, Python's unfair lock let the loop below keep a caller out for
+    tens of steps, and a real ladder's whole capture.)"""
+    from bcg.runner.pool_lock import PoolCallLock
 
-    def capture_live(n: int) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.05)  # a slow bucket
-        return _live(n)
+    lock = PoolCallLock()
+    steps, stop = [0], threading.Event()
 
-    runner = _runner(model, buckets, (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
-    runner.capture(background=True)
-    deadline = time.monotonic() + 30
-    while not runner.captured_buckets and time.monotonic() < deadline:
-        time.sleep(0.001)
-    got_in = []
-    for _ in range(3):
-        with runner.locked():
-            got_in.append(len(runner.captured_buckets))
-    assert runner.wait_captured(60) and runner.captured_buckets == buckets
-    assert got_in[-1] < len(buckets), got_in  # three waits, each of about one bucket
+    def capture_thread() -> None:
+        while not stop.is_set() and steps[0] < 5000:
+            lock.let_callers_in()
+            with lock.lock:  # one bucket's capture
+                steps[0] += 1
+                time.sleep(0.0003)
+
+    thread = threading.Thread(target=capture_thread)
+    thread.start()
+    try:
+        while steps[0] < 20:
+            time.sleep(0.001)
+        waited = []
+        for _ in range(20):
+            before = steps[0]
+            with lock.for_caller():
+                waited.append(steps[0] - before)
+    finally:
+        stop.set()
+        thread.join()
+    assert max(waited) <= 1, waited
