@@ -576,6 +576,9 @@ def test_lifecycle_report_on_a_cpu_runner() -> None:
     for way in ("capture_all", "lazy", "background"):
         assert report[way]["to_first_result_s"] > 0 and report[way]["capture_s"] >= 0
     assert sorted(report["lazy"]["order"]) == buckets
+    lazy = report["lazy"]
+    assert 0 < lazy["first_bucket_capture_s"] <= lazy["first_capture_total_s"] <= lazy["to_first_result_s"]
+    assert lazy["eager_plus_one_capture_s"] == lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
     assert report["background"]["calls_during_capture"] >= 1
     assert report["background"]["eager_calls_per_s"] > 0
     assert report["sleep_wake"]["freed_mib"] is None and report["capture_all"]["pool_mib"] is None
