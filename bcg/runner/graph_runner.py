@@ -233,8 +233,7 @@ class GraphRunner:
         self._handed_ids: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
         # A warm-up drew random numbers (the default generator moved): captures then run the
         # forward's last segment, the only way bcg learns whether that segment uses RNG.
-        self._draws_rng = False
-        self._rng_known = False  # a warm-up has answered _draws_rng (graph mode)
+        self._draws_rng: bool | None = None  # None: no warm-up has told yet (graph mode)
 
     def _choose_probe_size(self) -> int:
         """A second size to run once, so the first bucket captured knows which dims grow with the size."""
@@ -293,8 +292,7 @@ class GraphRunner:
             with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
         if generator is not None:
-            self._draws_rng = self._draws_rng or generator.get_offset() != offset
-            self._rng_known = True
+            self._draws_rng = bool(self._draws_rng) or generator.get_offset() != offset
         leaves, spec = pytree.tree_flatten(out)
         self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
         return out
@@ -598,7 +596,7 @@ class GraphRunner:
             barrier=self._barrier,
             # Calls replay before reading: the last segment need not run at capture, unless the
             # forward draws random numbers (learnt only from a run: see _run_recorded).
-            compute_outputs=self._draws_rng,
+            compute_outputs=bool(self._draws_rng),
         )
 
         def forward() -> Any:
@@ -854,7 +852,7 @@ class GraphRunner:
         or its inputs are the runner's own buffers, which a capture rewrites; or the forward
         may draw random numbers: torch marks the default CUDA generator as capturing during every
         capture, and a draw from another thread then raises)."""
-        if self._mode == "graph" and (self._draws_rng or not self._rng_known):
+        if self._mode == "graph" and self._draws_rng is not False:  # draws, or not known yet
             return _NOT_EAGER  # eager under the lock: between two buckets' captures
         first = inputs[self._first_padded] if len(inputs) > self._first_padded else None
         if first is not None and id(first) in self._handed_ids:

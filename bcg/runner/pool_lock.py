@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 
 import torch
 
@@ -32,21 +30,12 @@ class PoolCallLock:
         self.background = 0  # background captures into the pool under way (each bucket's writes the pool)
         self._waiting = 0  # callers waiting for the lock (see let_callers_in)
         self._count = threading.Lock()
+        self._caller = _CallerHold(self)  # (one object: a call's hot path makes none)
 
-    @contextlib.contextmanager
-    def for_caller(self) -> Iterator[None]:
-        """Hold the lock for a call (or ``locked()``), counted as waiting until it has it."""
-        with self._count:
-            self._waiting += 1
-        try:
-            self.lock.acquire()
-        finally:
-            with self._count:
-                self._waiting -= 1
-        try:
-            yield
-        finally:
-            self.lock.release()
+    def for_caller(self) -> _CallerHold:
+        """Hold the lock for a call (or ``locked()``): ``with lock.for_caller():``. A caller that
+        has to wait for it is counted meanwhile (see :meth:`let_callers_in`)."""
+        return self._caller
 
     def let_callers_in(self, timeout: float = 1.0) -> None:
         """Between two steps of a background capture (not holding the lock): wait until no caller
@@ -80,6 +69,30 @@ class PoolCallLock:
             torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
         self.last_stream = current
         return current
+
+
+class _CallerHold:
+    """``with`` it: take the call lock, counted as waiting only when it is taken already."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: PoolCallLock) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        owner = self._owner
+        if owner.lock.acquire(blocking=False):
+            return
+        with owner._count:
+            owner._waiting += 1
+        try:
+            owner.lock.acquire()
+        finally:
+            with owner._count:
+                owner._waiting -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner.lock.release()
 
 
 class PoolLocks:
