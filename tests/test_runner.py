@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -179,20 +180,29 @@ def test_a_lazy_runners_input_buffers_exist_before_any_call() -> None:
     assert runner.captured_buckets == [8]
 
 
+def _blocking_capture_live(bucket: int) -> tuple[Any, threading.Event, threading.Event, list[threading.Thread]]:
+    """``(capture_live, inside, release, threads)``: a capture_live that, on the capture thread at
+    ``bucket``, records that thread, sets ``inside`` and blocks (holding the call lock) until
+    ``release`` is set."""
+    inside, release = threading.Event(), threading.Event()
+    threads: list[threading.Thread] = []
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == bucket:
+            threads.append(threading.current_thread())
+            inside.set()
+            assert release.wait(30)
+        return _live(n)
+
+    return capture_live, inside, release, threads
+
+
 def test_a_background_capture_serves_calls_eagerly_until_each_bucket_is_captured() -> None:
     """capture(background=True) returns at once. While the capture thread is inside a bucket's
     warm-up (holding the call lock), calls of buckets not captured yet run eagerly without
     waiting; once it is done every bucket replays, counted as captured by "background"."""
     model = _llama()
-    inside, release = threading.Event(), threading.Event()
-    capture_thread: list[threading.Thread] = []
-
-    def capture_live(n: int) -> dict:
-        if threading.current_thread() is not threading.main_thread() and n == 16:
-            capture_thread.append(threading.current_thread())
-            inside.set()
-            assert release.wait(30)  # the background thread holds the call lock here
-        return _live(n)
+    capture_live, inside, release, capture_thread = _blocking_capture_live(16)
 
     runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
     assert runner.capture(background=True) is runner
@@ -227,13 +237,7 @@ def test_calls_on_the_runners_own_buffers_wait_for_the_bucket_being_captured() -
     """input_buffers() are the static inputs a capture rewrites: a call on them takes the call
     lock, so it runs after the bucket's capture, with its own values."""
     model = _llama()
-    inside, release = threading.Event(), threading.Event()
-
-    def capture_live(n: int) -> dict:
-        if threading.current_thread() is not threading.main_thread() and n == 8:
-            inside.set()
-            assert release.wait(30)
-        return _live(n)
+    capture_live, inside, release, _ = _blocking_capture_live(8)
 
     runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live,
                      lazy=True)  # (input_buffers before any capture)
@@ -263,13 +267,7 @@ def test_calls_on_the_runners_own_buffers_wait_for_the_bucket_being_captured() -
 
 def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
     model = _llama()
-    inside, release = threading.Event(), threading.Event()
-
-    def capture_live(n: int) -> dict:
-        if threading.current_thread() is not threading.main_thread() and n == 16:
-            inside.set()
-            assert release.wait(30)
-        return _live(n)
+    capture_live, inside, release, _ = _blocking_capture_live(16)
 
     runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
     runner.capture(background=True)
