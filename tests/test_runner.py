@@ -132,7 +132,7 @@ def test_eager_runner_matches_forward_for_every_bucket(returning: bool) -> None:
             torch.testing.assert_close(y, unpadded, rtol=1e-5, atol=1e-5)
             assert torch.equal(y, padded)  # the same ops on the same shapes
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0}
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0}
     assert sum(stats["replays"].values()) == stats["calls"] == stats["graph_calls"]
     assert all(stats["replays"][b] > 0 for b in buckets)
 
@@ -231,6 +231,39 @@ def test_a_background_capture_serves_calls_eagerly_until_each_bucket_is_captured
     for background in (False, True):  # nothing left to capture
         with pytest.raises(bcg.BcgError, match="already captured"):
             runner.capture(background=background)
+
+
+def test_a_call_of_a_captured_bucket_runs_eagerly_while_a_capture_step_holds_the_lock() -> None:
+    """Bucket 16 is captured; the capture thread is inside bucket 8's (holding the call lock): a
+    call of bucket 16 does not wait for it but runs eagerly (fallback "capture_busy"); once the
+    ladder is captured it replays. A call on the runner's own buffers still waits (they are
+    what the capture rewrites)."""
+    model = _llama()
+    inside, release = threading.Event(), threading.Event()
+
+    def capture_live(n: int) -> dict:
+        if threading.current_thread() is not threading.main_thread() and n == 8:
+            inside.set()
+            assert release.wait(30)
+        return _live(n)
+
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner.capture(background=True)
+    assert inside.wait(30) and runner.captured_buckets == [16]
+    gen = torch.Generator().manual_seed(3)
+    x, pos = torch.randn(12, HIDDEN, generator=gen), torch.arange(12)
+    threading.Timer(10, release.set).start()  # (a call that waits would block until then)
+    t0 = time.monotonic()
+    y = runner(x, pos, live=_live(12))
+    assert time.monotonic() - t0 < 5 and not release.is_set()
+    with bcg.live_scope(_live(12)), torch.no_grad():
+        torch.testing.assert_close(y, model(x, pos), rtol=1e-5, atol=1e-5)
+    assert runner.stats()["fallbacks"]["capture_busy"] == 1
+    release.set()
+    assert runner.wait_captured(30) and runner.captured_buckets == [4, 8, 16]
+    runner(x, pos, live=_live(12))
+    stats = runner.stats()
+    assert stats["fallbacks"]["capture_busy"] == 1 and stats["graph_calls"] == 1
 
 
 def test_calls_on_the_runners_own_buffers_wait_for_the_bucket_being_captured() -> None:
@@ -718,7 +751,7 @@ def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.Log
     check(1)  # bucket 4, 3/4 padding > 0.5: eager
     assert calls == [1]
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3, "not_captured_yet": 0}
+    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3, "not_captured_yet": 0, "capture_busy": 0}
     assert stats["replays"] == {4: 1, 16: 0, 32: 1}
     assert stats["calls"] == 7 and stats["graph_calls"] == 2
     assert set(stats["capture_s"]) == {4, 16, 32}

@@ -134,7 +134,7 @@ def measure(
         "capture_s": stats["capture_total_s"],
         "calls_during_capture": served,
         "calls_per_s_during_capture": served / serving_s if serving_s > 0 else None,
-        "eager_calls_during_capture": stats["fallbacks"]["not_captured_yet"],
+        "eager_calls_during_capture": stats["fallbacks"]["not_captured_yet"] + stats["fallbacks"]["capture_busy"],
         "pool_mib": pool_mib(runner),
     }
     runner.reset()

@@ -38,8 +38,9 @@ log = logging.getLogger("bcg")
 
 #: The reasons a call runs ``forward`` eagerly instead of replaying a graph (``"not_captured_yet"``:
 #: ``lazy=True``, the call's bucket is captured right after it; or a background capture has not
-#: reached it yet).
-FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet")
+#: reached it yet. ``"capture_busy"``: its bucket is captured, but a background capture holds the
+#: call lock for another bucket, which the replay would wait for).
+FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet", "capture_busy")
 
 
 #: A call's route in :meth:`bcg.distributed.RankAgreement.expect_same` checks (the key names the
@@ -455,7 +456,7 @@ class GraphRunner:
         try:
             with self._on_device():
                 static, _ = self._setup()
-                with self._lock.lock, self._capturing():
+                with self._lock.capture_step(), self._capturing():
                     self._order_with_calls()
                     with static.preserved([self._probe_size]):
                         self._prepare_captures()
@@ -464,7 +465,7 @@ class GraphRunner:
                     self._lock.let_callers_in()  # a call waiting for the lock runs before this bucket
                     if self._stop_background.is_set() or not threading.main_thread().is_alive():
                         break
-                    with self._lock.lock, self._capturing():
+                    with self._lock.capture_step(), self._capturing():
                         bucket = self._buckets[n]
                         if bucket.captured or bucket.failure is not None:
                             continue  # (a lazy call captured it meanwhile)
@@ -846,12 +847,14 @@ class GraphRunner:
         return self._slice(chosen, leaves, T, copy, keep=graph is not None)
 
     def _eager_while_capturing(self, inputs: tuple[Any, ...], live: Any) -> Any:
-        """During a background capture, a call whose bucket is not captured yet runs eagerly
-        without waiting for the call lock: it reads only its own inputs. Returns ``_NOT_EAGER``
-        for a call that needs the lock (its bucket is captured or failed, it is above the ladder,
-        or its inputs are the runner's own buffers, which a capture rewrites; or the forward
-        may draw random numbers: torch marks the default CUDA generator as capturing during every
-        capture, and a draw from another thread then raises)."""
+        """During a background capture, a call runs eagerly without waiting for the call lock
+        when its bucket is not captured yet, or when it is but a capture step holds the lock (a
+        replay would wait for a whole bucket's warm-up and capture): it reads only its own
+        inputs. Returns ``_NOT_EAGER`` for a call that goes the usual way, under the lock (its
+        bucket is captured and the lock free, or failed; it is above the ladder; its inputs are
+        the runner's own buffers, which a capture rewrites; or the forward may draw random
+        numbers: torch marks the default CUDA generator as capturing during every capture, and a
+        draw from another thread then raises)."""
         if self._mode == "graph" and self._draws_rng is not False:  # draws, or not known yet
             return _NOT_EAGER  # eager under the lock: between two buckets' captures
         first = inputs[self._first_padded] if len(inputs) > self._first_padded else None
@@ -862,9 +865,13 @@ class GraphRunner:
         if n is None:
             return _NOT_EAGER
         chosen = self._buckets[n]
-        if chosen.captured or chosen.failure is not None:
+        if chosen.failure is not None:
             return _NOT_EAGER
-        return self._fallback("not_captured_yet", inputs, live, None)
+        if not chosen.captured:
+            return self._fallback("not_captured_yet", inputs, live, None)
+        if self._lock.in_capture_step:  # (it may end meanwhile: then this call ran eagerly for nothing)
+            return self._fallback("capture_busy", inputs, live, None)
+        return _NOT_EAGER
 
     def _agree_on_replay(self, graph: BreakableGraph, form: int, live: Any, ranks: RankAgreement) -> tuple[int, bool]:
         """``(form, stitch)`` for this call, the same on every rank: the most general form any rank

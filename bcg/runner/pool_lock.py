@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -31,6 +33,18 @@ class PoolCallLock:
         self._waiting = 0  # callers waiting for the lock (see let_callers_in)
         self._count = threading.Lock()
         self._caller = _CallerHold(self)  # (one object: a call's hot path makes none)
+        self.in_capture_step = False  # a background capture holds the lock for a bucket now
+
+    @contextlib.contextmanager
+    def capture_step(self) -> Iterator[None]:
+        """Hold the lock for one step of a background capture (a bucket's warm-up and capture),
+        flagged so that calls that would wait for it can run eagerly instead."""
+        with self.lock:
+            self.in_capture_step = True
+            try:
+                yield
+            finally:
+                self.in_capture_step = False
 
     def for_caller(self) -> _CallerHold:
         """Hold the lock for a call (or ``locked()``): ``with lock.for_caller():``. A caller that
