@@ -898,3 +898,49 @@ def test_a_caller_waiting_for_the_call_lock_gets_in_at_the_capture_threads_next_
         stop.set()
         thread.join()
     assert max(waited) <= 1, waited
+
+
+def test_a_background_capture_yields_to_calls_only_while_they_come() -> None:
+    """Between two buckets, a background capture waits while calls are served (one in flight, or
+    begun in the last few ms), up to its budget; it does not wait when no call came, and stops
+    waiting once the calls stop or the runner stops it."""
+    from bcg.runner.pool_lock import PoolCallLock
+
+    lock, stop = PoolCallLock(), threading.Event()
+
+    def waited(since: int, budget: float) -> float:
+        t0 = time.perf_counter()
+        lock.yield_to_calls(since, budget, stop)
+        return time.perf_counter() - t0
+
+    assert waited(lock.calls, 5.0) < 0.05  # no call came during the step: no wait
+
+    done = threading.Event()
+
+    def caller(seconds: float) -> None:  # calls back to back for ``seconds``
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with lock.serving():
+                time.sleep(0.002)
+        done.set()
+
+    since = lock.calls
+    thread = threading.Thread(target=caller, args=(0.3,))
+    thread.start()
+    while lock.calls == since:
+        time.sleep(0.0005)
+    w = waited(since, 5.0)  # the calls keep coming for 0.3 s: waits for them, then resumes
+    thread.join()
+    assert 0.2 < w < 1.0, w
+    assert done.is_set()
+
+    since = lock.calls
+    thread = threading.Thread(target=caller, args=(2.0,))
+    thread.start()
+    while lock.calls == since:
+        time.sleep(0.0005)
+    assert 0.1 <= waited(since, 0.1) < 0.5  # at most its budget
+    threading.Timer(0.1, stop.set).start()
+    assert waited(since, 5.0) < 0.5  # stopped (reset(), the interpreter's exit)
+    thread.join()
+    assert lock.active == 0

@@ -42,6 +42,11 @@ log = logging.getLogger("bcg")
 #: call lock for another bucket, which the replay would wait for).
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet", "capture_busy")
 
+#: The share of the time a background capture leaves to calls while they come: after a bucket's
+#: step, it waits three times as long while calls keep coming (they and the capture share the GIL
+#: and the GPU: a capture step halves the calls' rate). Serving first; the ladder takes longer.
+CALLS_SHARE = 0.75
+
 
 #: A call's route in :meth:`bcg.distributed.RankAgreement.expect_same` checks (the key names the
 #: codes, for its error message): k >= 0 the bucket graph's form k (:meth:`BreakableGraph.choose`),
@@ -329,7 +334,9 @@ class GraphRunner:
                 bucket's warm-up and capture hold the call lock (they write the
                 static inputs and the pool that replays use), so a call that
                 needs them waits for at most one bucket; a call running eagerly
-                on inputs of its own does not wait. The captures use
+                on inputs of its own does not wait. While calls come, the
+                capture waits between buckets (calls get ``CALLS_SHARE`` of the
+                time), so the ladder takes longer under load. The captures use
                 ``capture_error_mode="thread_local"`` whatever the runner's.
 
         .. warning::
@@ -456,15 +463,20 @@ class GraphRunner:
         try:
             with self._on_device():
                 static, _ = self._setup()
+                calls, t_step = self._lock.calls, time.perf_counter()
                 with self._lock.capture_step(), self._capturing():
                     self._order_with_calls()
                     with static.preserved([self._probe_size]):
                         self._prepare_captures()
                     self._order_with_calls()
                 for n in sorted(self._buckets_list, reverse=True):
+                    # calls get CALLS_SHARE of the time while they come (the last step took the rest)
+                    step_s = time.perf_counter() - t_step
+                    self._lock.yield_to_calls(calls, step_s * CALLS_SHARE / (1 - CALLS_SHARE), self._stop_background)
                     self._lock.let_callers_in()  # a call waiting for the lock runs before this bucket
                     if self._stop_background.is_set() or not threading.main_thread().is_alive():
                         break
+                    calls, t_step = self._lock.calls, time.perf_counter()
                     with self._lock.capture_step(), self._capturing():
                         bucket = self._buckets[n]
                         if bucket.captured or bucket.failure is not None:
@@ -721,10 +733,16 @@ class GraphRunner:
         (:meth:`bcg.distributed.RankAgreement.expect_same`; a difference raises
         :class:`bcg.ReplayError` at the next call).
         """
-        if self._capturing_in_background() and bucket is None and self._ranks is None:
-            out = self._eager_while_capturing(inputs, live)
-            if out is not _NOT_EAGER:
-                return out
+        if self._lock.background:  # a background capture of the pool runs: it yields to calls
+            with self._lock.serving():
+                if self._capturing_in_background() and bucket is None and self._ranks is None:
+                    out = self._eager_while_capturing(inputs, live)
+                    if out is not _NOT_EAGER:
+                        return out
+                return self._locked_call(inputs, live, bucket)
+        return self._locked_call(inputs, live, bucket)
+
+    def _locked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None) -> Any:
         with self._lock.for_caller():
             if not self._captured:
                 if not self._lazy:

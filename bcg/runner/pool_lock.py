@@ -34,6 +34,8 @@ class PoolCallLock:
         self._count = threading.Lock()
         self._caller = _CallerHold(self)  # (one object: a call's hot path makes none)
         self.in_capture_step = False  # a background capture holds the lock for a bucket now
+        self.calls = 0  # calls begun while a background capture runs (see yield_to_calls)
+        self.active = 0  # of those, calls not returned yet
 
     @contextlib.contextmanager
     def capture_step(self) -> Iterator[None]:
@@ -58,6 +60,34 @@ class PoolCallLock:
         deadline = time.monotonic() + timeout
         while self._waiting and time.monotonic() < deadline:
             time.sleep(0.0002)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count a call made while a background capture runs, for :meth:`yield_to_calls`."""
+        with self._count:
+            self.calls += 1
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._count:
+                self.active -= 1
+
+    def yield_to_calls(self, since: int, seconds: float, stop: threading.Event) -> None:
+        """Between two steps of a background capture (not holding the lock): if calls came since
+        the count was ``since``, wait while they keep coming (one in flight, or one begun in the
+        last few milliseconds), at most ``seconds``, or until ``stop`` is set. Calls and the
+        capture share the GIL and the GPU; the calls are served first."""
+        if self.calls == since and not self.active:
+            return
+        deadline = time.monotonic() + seconds
+        while True:
+            seen = self.calls
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or stop.wait(min(remaining, 0.005)):
+                return
+            if self.calls == seen and not self.active:
+                return
 
     def views_safe(self) -> bool:
         """Whether this call (under the lock) may return views: one calling thread so far, or

@@ -49,6 +49,15 @@ def flash_paged_usable(device: torch.device, dtype: torch.dtype) -> bool:
 # -- the batch ------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=16)
+def _trash_slots(tokens: int, page: int) -> np.ndarray:
+    """``tokens`` slots on the trash page (page 0), cycling over its ``page`` slots: padded rows'
+    (read-only: shared)."""
+    slots = np.arange(tokens, dtype=np.int64) % page
+    slots.flags.writeable = False
+    return slots
+
+
 @dataclass(frozen=True)
 class PagedBatch:
     """The host metadata of one forward over a paged cache (what :func:`bcg.live` returns).
@@ -72,15 +81,15 @@ class PagedBatch:
             if not 1 <= q <= c or len(t) * self.page < c:
                 raise ValueError(f"a request with {q} new tokens, context {c} and {len(t)} pages of {self.page}")
 
-    @property
+    @functools.cached_property
     def requests(self) -> int:
         return len(self.q_lens)
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         return sum(self.q_lens)
 
-    @property
+    @functools.cached_property
     def max_q(self) -> int:
         return max(self.q_lens)
 
@@ -105,27 +114,33 @@ class PagedBatch:
                 np.array(list(itertools.accumulate(self.q_lens, initial=0)), dtype=np.int32),
                 np.array(self.ctx_lens, dtype=np.int32), table)
 
-    def padded(self, tokens: int, requests: int, pages: int) -> tuple[np.ndarray, ...]:
+    def padded(self, tokens: int, requests: int, pages: int,
+               out: tuple[np.ndarray, ...] | None = None) -> tuple[np.ndarray, ...]:
         """``(slots, cu_q, ctx, table)`` as host arrays over static bounds: ``tokens`` rows
         (int64), ``requests`` slots (int32 ``[requests + 1]`` and ``[requests]``) of ``pages``
         pages each (int32 ``[requests, pages]``). Padded rows write to the trash page; padded
         requests take no token (their ``cu_q`` offset repeats) and have no context; unused table
-        entries point at the trash page. (NumPy: a few small host copies, and no torch op, which
-        costs more on the host.)"""
+        entries point at the trash page. ``out``: four arrays of those shapes and dtypes to
+        write into (reused from call to call), else new ones. (NumPy: a few small host copies,
+        and no torch op, which costs more on the host.)"""
         if self.tokens > tokens or self.requests > requests or self.max_pages > pages:
             raise ValueError(f"a batch of {self.tokens} tokens, {self.requests} requests and {self.max_pages} "
                              f"pages does not fit {tokens} tokens, {requests} requests, {pages} pages")
+        if out is None:
+            out = (np.empty(tokens, dtype=np.int64), np.empty(requests + 1, dtype=np.int32),
+                   np.empty(requests, dtype=np.int32), np.empty((requests, pages), dtype=np.int32))
+        out_slots, out_cu, out_ctx, out_table = out
         slots, cu, ctx, table = self._host
-        R, n = self.requests, min(table.shape[1], pages)
-        out_slots = np.arange(tokens, dtype=np.int64) % self.page  # the trash page's slots
-        out_slots[: self.tokens] = slots
-        out_cu = np.full(requests + 1, self.tokens, dtype=np.int32)
+        R, N, n = self.requests, self.tokens, min(table.shape[1], pages)
+        out_slots[:N] = slots
+        out_slots[N:] = _trash_slots(tokens, self.page)[N:]
         out_cu[: R + 1] = cu
-        out_ctx = np.zeros(requests, dtype=np.int32)
+        out_cu[R + 1:] = N
         out_ctx[:R] = ctx
-        out_table = np.zeros((requests, pages), dtype=np.int32)
+        out_ctx[R:] = 0
+        out_table.fill(0)
         out_table[:R, :n] = table[:, :n]
-        return out_slots, out_cu, out_ctx, out_table
+        return out
 
     @functools.cached_property
     def max_pages(self) -> int:
@@ -324,17 +339,28 @@ class StagedPagedAttention:
         requests: request slots.
         pages: pages per request (the context bound, in pages).
         page: tokens per page.
+
+    The int32 metadata (``cu_q``, ``ctx``, the tables) shares one buffer: one host write and
+    one captured copy for the three.
     """
 
     def __init__(self, tokens: int, requests: int, pages: int, page: int, device: torch.device) -> None:
         self.tokens, self.requests, self.pages, self.page = tokens, requests, pages, page
         self.slots = bcg.StagingBuffer((tokens,), dtype=torch.int64, device=device)
-        self.cu = bcg.StagingBuffer((requests + 1,), dtype=torch.int32, device=device)
-        self.ctx = bcg.StagingBuffer((requests,), dtype=torch.int32, device=device)
-        self.table = bcg.StagingBuffer((requests * pages,), dtype=torch.int32, device=device)
+        self.meta = bcg.StagingBuffer((2 * requests + 1 + requests * pages,), dtype=torch.int32, device=device)
+        # the arrays prepare pads into (then one memcpy each into the pinned buffers)
+        self._slots = np.empty(tokens, dtype=np.int64)
+        self._meta = np.empty(self.meta.device.shape, dtype=np.int32)
+        self._padded = (self._slots, *self._split(self._meta))
+        self._staged: dict[tuple[int, int, int], StagedPaged] = {}  # by the bounds of a form
         prepare, fits = self.prepare, self.fits  # one object each, shared by every layer's breakpoint
         self.breakpoint = bcg.breakpoint(_paged, name="attention_paged_staged",
                                          mutates=("out", "k_cache", "v_cache"), prepare=prepare, fits=fits)
+
+    def _split(self, meta: Any) -> tuple[Any, Any, Any]:
+        """``(cu_q, ctx, table)``: views of the int32 metadata (an array or a tensor)."""
+        R = self.requests
+        return meta[: R + 1], meta[R + 1: 2 * R + 1], meta[2 * R + 1:].reshape(R, self.pages)
 
     def fits(self, live: PagedLive, staged: StagedPaged) -> bool:
         """Whether the batch fits the bounds of the form captured with ``staged``."""
@@ -345,16 +371,18 @@ class StagedPagedAttention:
     def prepare(self, live: PagedLive) -> StagedPaged:
         """Write the batch's metadata over the buffers' bounds (host only); return the views the
         form captured with ``live`` reads (its bounds: ``live``'s, else the buffers')."""
-        slots, cu, ctx, table = live.batch.padded(self.tokens, self.requests, self.pages)
-        self.slots.write(slots)  # arrays of the buffers' dtypes: one memcpy each
-        self.cu.write(cu)
-        self.ctx.write(ctx)
-        self.table.write(table)
-        requests = min(live.requests or self.requests, self.requests)
-        pages = min(live.pages or self.pages, self.pages)
-        return StagedPaged(self.slots.device, self.cu.device[: requests + 1], self.ctx.device[:requests],
-                           self.table.device.view(self.requests, self.pages)[:requests, :pages],
-                           live.max_q or self.tokens)
+        live.batch.padded(self.tokens, self.requests, self.pages, out=self._padded)
+        self.slots.write(self._slots)  # arrays of the buffers' dtypes: one memcpy each
+        self.meta.write(self._meta)
+        key = (min(live.requests or self.requests, self.requests), min(live.pages or self.pages, self.pages),
+               live.max_q or self.tokens)
+        staged = self._staged.get(key)
+        if staged is None:  # the same views at every replay: made once (torch ops cost host time)
+            requests, pages, max_q = key
+            cu, ctx, table = self._split(self.meta.device)
+            staged = self._staged[key] = StagedPaged(self.slots.device, cu[: requests + 1], ctx[:requests],
+                                                     table[:requests, :pages], max_q)
+        return staged
 
 
 def tiers(max_q: int, pages: int) -> list[tuple[int, int]]:
