@@ -156,7 +156,7 @@ def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(
     assert runner.capture(background=True) is runner
     eager_calls = graph_calls = after = 0
     while after < 10:
-        if not runner.stats()["capturing"]:
+        if runner.wait_captured(0):
             after += 1  # a few more calls once the ladder is captured
         T = int(torch.randint(1, buckets[-1] + 1, (1,), generator=gen))
         x, pos, live = _batch(T, gen)

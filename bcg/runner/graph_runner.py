@@ -1080,6 +1080,11 @@ class GraphRunner:
         ``cache_bytes`` (variant pools and stitched executables) and
         ``buckets`` ({bucket: {form: :meth:`bcg.keyed.variants.VariantCache.stats`}});
         None without keyed breakpoints).
+
+        .. warning::
+            Not for every call: ``pool_bytes`` reads ``torch.cuda.memory_snapshot()``,
+            which takes milliseconds over a large heap and holds the allocator's
+            lock meanwhile. Poll a background capture with ``wait_captured(0)``.
         """
         pool = self._pool_bytes()
         alone = self._largest_alone

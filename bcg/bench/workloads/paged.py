@@ -306,6 +306,9 @@ class StagedPaged:
     ctx: torch.Tensor  # [requests] int32
     table: torch.Tensor  # [requests, pages] int32 (a view of the buffer's [slots, pages bound])
     max_q: int
+    requests: int  # the bounds as ints (fits reads them at every replay)
+    pages: int
+    tokens: int
 
 
 def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
@@ -365,8 +368,8 @@ class StagedPagedAttention:
     def fits(self, live: PagedLive, staged: StagedPaged) -> bool:
         """Whether the batch fits the bounds of the form captured with ``staged``."""
         b = live.batch
-        return (b.requests <= staged.ctx.shape[0] and b.max_pages <= staged.table.shape[1]
-                and b.max_q <= staged.max_q and b.tokens <= staged.slots.shape[0])
+        return (b.requests <= staged.requests and b.max_pages <= staged.pages
+                and b.max_q <= staged.max_q and b.tokens <= staged.tokens)
 
     def prepare(self, live: PagedLive) -> StagedPaged:
         """Write the batch's metadata over the buffers' bounds (host only); return the views the
@@ -381,7 +384,7 @@ class StagedPagedAttention:
             requests, pages, max_q = key
             cu, ctx, table = self._split(self.meta.device)
             staged = self._staged[key] = StagedPaged(self.slots.device, cu[: requests + 1], ctx[:requests],
-                                                     table[:requests, :pages], max_q)
+                                                     table[:requests, :pages], max_q, requests, pages, self.tokens)
         return staged
 
 
