@@ -18,6 +18,8 @@ log = logging.getLogger("bcg")
 
 _current_raw_stream = stream_readers()[1]
 
+IDLE_S = 0.05  # no call begun or in flight for this long: the callers paused (see yield_to_calls)
+
 
 class PoolCallLock:
     """What every runner using one pool shares: the call lock, the stream of the last replay,
@@ -76,15 +78,16 @@ class PoolCallLock:
     def yield_to_calls(self, since: int, seconds: float, stop: threading.Event) -> None:
         """Between two steps of a background capture (not holding the lock): if calls came since
         the count was ``since``, wait while they keep coming (one in flight, or one begun in the
-        last few milliseconds), at most ``seconds``, or until ``stop`` is set. Calls and the
-        capture share the GIL and the GPU; the calls are served first."""
+        last ``IDLE_S``: a caller that synchronizes on a replay's GPU work between two calls is
+        still serving), at most ``seconds``, or until ``stop`` is set. Calls and the capture
+        share the GIL and the GPU; the calls are served first."""
         if self.calls == since and not self.active:
             return
         deadline = time.monotonic() + seconds
         while True:
             seen = self.calls
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or stop.wait(min(remaining, 0.005)):
+            if remaining <= 0 or stop.wait(min(remaining, IDLE_S)):
                 return
             if self.calls == seen and not self.active:
                 return
