@@ -902,8 +902,8 @@ def test_a_caller_waiting_for_the_call_lock_gets_in_at_the_capture_threads_next_
 
 def test_a_background_capture_yields_to_calls_only_while_they_come() -> None:
     """Between two buckets, a background capture waits while calls are served (one in flight, or
-    begun in the last few ms), up to its budget; it does not wait when no call came, and stops
-    waiting once the calls stop or the runner stops it."""
+    one begun in the last IDLE_S), up to its budget; it does not wait when no call came, and
+    stops waiting once the calls stop or the runner stops it."""
     from bcg.runner.pool_lock import PoolCallLock
 
     lock, stop = PoolCallLock(), threading.Event()

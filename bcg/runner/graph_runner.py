@@ -43,8 +43,9 @@ log = logging.getLogger("bcg")
 FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet", "capture_busy")
 
 #: The share of the time a background capture leaves to calls while they come: after a bucket's
-#: step, it waits three times as long while calls keep coming (they and the capture share the GIL
-#: and the GPU: a capture step halves the calls' rate). Serving first; the ladder takes longer.
+#: step, it waits up to three times as long while calls keep coming (they and the capture share
+#: the GIL and the GPU, and a call beside a capture step runs slower). Serving first; the ladder
+#: takes longer.
 CALLS_SHARE = 0.75
 
 
