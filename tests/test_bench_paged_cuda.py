@@ -14,6 +14,7 @@ import bcg
 from bcg.bench import cli
 from bcg.bench.workloads import paged
 from bcg.bench.workloads.llama import LlamaModel
+from bcg.core.torch_internals import has_triton
 
 pytestmark = pytest.mark.cuda
 
@@ -36,6 +37,62 @@ def test_decode_and_mixed_points_in_every_graph_mode(tmp_path: Path) -> None:
             assert r["rel_err"] < 1e-2 and r["inline_fraction"] == 1.0, r
         else:
             assert r["rel_err"] == 0.0, r
+
+
+@pytest.mark.skipif(not has_triton(), reason="the gather kernel needs Triton")
+def test_the_gather_copies_each_context_from_a_strided_table() -> None:
+    """gather_pages on CUDA (Triton): the first ctx[r] tokens of each request's span equal
+    index_select's, with a block table that is a view of a wider one (as a staged form reads)
+    and a request of no context."""
+    page, KV, D, pages = 16, 2, 64, 40
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn(pages * page, KV, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(pages * page, KV, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    wide = torch.randint(1, pages, (6, 12), generator=gen, device="cuda", dtype=torch.int32)
+    table = wide[:5, :8]
+    ctx = torch.tensor([1, 16, 17, 128, 0], device="cuda", dtype=torch.int32)
+    kg, vg = paged.gather_pages(k, v, table, ctx, page)
+    index = (table.long().unsqueeze(-1) * page + torch.arange(page, device="cuda")).flatten()
+    span = 8 * page
+    for r, c in enumerate(ctx.tolist()):
+        rows = slice(r * span, r * span + c)
+        assert torch.equal(kg[rows], k[index][rows]) and torch.equal(vg[rows], v[index][rows]), r
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens", [((1, 1, 1), (5, 1, 70)), ((1, 6, 1, 3), (9, 6, 2, 40))])
+def test_paged_attention_on_the_gpu_equals_dense_attention_with_nan_in_unread_pages(q_lens, ctx_lens) -> None:  # noqa: ANN001
+    """The flash path (gather, seqused_k) with padded rows, request slots and pages: the batch's
+    rows equal SDPA over each request's history, padded rows are zeros, and NaN in the trash
+    page and in the pages no request reads reaches no output."""
+    H, KV, D, page = 4, 2, 64, 16
+    dt = torch.bfloat16
+    cache = paged.PagedKVCache(1, 32, page, KV, D, torch.device("cuda"), dt)
+    tables = cache.tables(ctx_lens, seed=1)
+    batch = paged.PagedBatch(tuple(q_lens), tuple(ctx_lens), tables, page)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for t in (cache.k[0], cache.v[0]):
+        t.fill_(float("nan"))  # every page: the history below overwrites what requests read
+    hist_k, hist_v = [], []
+    for c, qn, t in zip(ctx_lens, q_lens, tables):
+        kh = torch.randn(c, KV, D, generator=gen, device="cuda", dtype=dt)
+        vh = torch.randn(c, KV, D, generator=gen, device="cuda", dtype=dt)
+        for p in range(c - qn):
+            cache.k[0][t[p // page], p % page] = kh[p]
+            cache.v[0][t[p // page], p % page] = vh[p]
+        hist_k.append(kh)
+        hist_v.append(vh)
+    T, pad = batch.tokens, 3
+    q = torch.randn(T + pad, H, D, generator=gen, device="cuda", dtype=dt)
+    k = torch.cat([*(kh[c - qn:] for kh, c, qn in zip(hist_k, ctx_lens, q_lens)),
+                   torch.randn(pad, KV, D, generator=gen, device="cuda", dtype=dt)])
+    v = torch.cat([*(vh[c - qn:] for vh, c, qn in zip(hist_v, ctx_lens, q_lens)),
+                   torch.randn(pad, KV, D, generator=gen, device="cuda", dtype=dt)])
+    meta = [torch.from_numpy(a).cuda() for a in batch.padded(T + pad, batch.requests + 2, batch.max_pages + 2)]
+    out = torch.full_like(q, float("nan"))
+    paged.paged_attention(q, k, v, out, cache.k[0], cache.v[0], *meta, max(q_lens))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[:T], paged.dense_reference(q[:T], hist_k, hist_v, batch), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out[T:], torch.zeros_like(out[T:]))
 
 
 def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_the_trash_page() -> None:

@@ -332,21 +332,46 @@ def _tiny_inputs(model: llama.LlamaModel, T: int = 16) -> tuple[torch.Tensor, to
     return x, pos, llama.Batch(lengths)
 
 
-def test_the_llama_forward_compiles_whole_around_its_breakpoint_ops() -> None:
+@pytest.mark.parametrize("result", [False, True])
+def test_the_llama_forward_compiles_whole_around_its_breakpoint_ops(result: bool) -> None:
     """fullgraph=True over all layers: each attention breakpoint is one op, no graph break, and the
-    compiled forward equals the eager one (aot_eager: the same ATen kernels)."""
+    compiled forward equals the eager one (aot_eager: the same ATen kernels); ``result``: the
+    attention's form that returns its result (the whole-compiled modes')."""
     torch._dynamo.reset()
     model = _tiny_model(cli.parse_args(["--shape", "tiny"]))
     x, pos, batch = _tiny_inputs(model)
+    bp = llama.RESULTS[llama.attention_varlen] if result else llama.attention_varlen
 
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return model.forward(x, pos, llama.attention_varlen)
+        return model.forward(x, pos, bp)
 
     with bcg.live_scope(batch):
         expected = forward(x, pos)
         out = torch.compile(forward, fullgraph=True, backend="aot_eager")(x, pos)
         explanation = torch._dynamo.explain(forward)(x, pos)
     assert explanation.graph_break_count == 0
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("attn", ["varlen", "loop"])
+def test_kv_heads_repeated_before_the_attention_give_the_same_forward(attn: str) -> None:
+    """``expand_kv``: the model repeats the KV heads before the call (what ``varlen`` gets where
+    varlen_attn has no enable_gqa); the attentions take grouped or repeated heads alike."""
+    model = _tiny_model(cli.parse_args(["--shape", "tiny"]))
+    assert model.H > model.KV
+    x, pos, batch = _tiny_inputs(model)
+    seen: list[int] = []
+    bp = llama.BREAKPOINTS[attn]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        seen.append(k.shape[1])
+        bp(q, k, v, out)
+
+    with bcg.live_scope(batch):
+        expected = model.forward(x, pos, attention)
+        out = model.forward(x, pos, attention, expand_kv=True)
+    layers = model.shape["layers"]
+    assert seen == [model.KV] * layers + [model.H] * layers
     torch.testing.assert_close(out, expected)
 
 

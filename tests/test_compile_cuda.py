@@ -185,3 +185,47 @@ def test_a_fullgraph_compile_keeps_its_breakpoints_as_segment_ends(backend: str)
             expected = compiled(x).clone()
         assert torch.equal(graph.replay(live=s), expected)
     graph.reset()
+
+
+def test_a_staged_breakpoint_returning_its_result_in_a_whole_compiled_forward() -> None:
+    """A staged breakpoint that returns its result (``fake=``), in a forward compiled whole with
+    fullgraph=True, through a runner: batches that fit replay it inline, reading the kernel's
+    output where it lies; one that does not replays the breakable form, its result copied into
+    the bridge. Every replay equals the compiled forward run eagerly, bitwise."""
+    gen = torch.Generator().manual_seed(11)
+    weights = [(torch.randn(HIDDEN, HIDDEN, generator=gen) / 12).to("cuda") for _ in range(3)]
+    scale = bcg.StagingBuffer(1, dtype=torch.float32)
+
+    def prepare(s: float) -> torch.Tensor:
+        scale.write([s])
+        return scale.device
+
+    def fits(s: float) -> bool:
+        return s >= 0  # negative scales: the breakable form
+
+    def fake(h: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(h)
+
+    @bcg.breakpoint(prepare=prepare, fits=fits, fake=fake)
+    def scaled(h: torch.Tensor) -> torch.Tensor:
+        s = bcg.live()  # inline: the staged device scalar; eager: the host number
+        return h * s
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w in weights:
+            h = scaled(torch.tanh(h @ w) + 0.5 * h)
+        return h.sum(dim=-1, keepdim=True) * h
+
+    compiled = torch.compile(forward, fullgraph=True)
+    x = torch.randn(T, HIDDEN, generator=gen).to("cuda")
+    runner = bcg.GraphRunner(compiled, [T], example_inputs=(x,), capture_live=1.0, progress=False).capture()
+    assert runner.graph(T).stats().breakpoints == 0  # inline: one segment
+    for s in (0.5, -1.25, 2.0):
+        x = torch.randn(T, HIDDEN, generator=gen).to("cuda")
+        with bcg.live_scope(s):
+            expected = compiled(x).clone()
+        assert torch.equal(runner(x, live=s), expected), s
+    stats = runner.stats()
+    assert stats["graph_calls"] == 3 and stats["inline_replays"] == 2
+    runner.reset()

@@ -66,7 +66,8 @@ class Case:
     # tuples repeating as ``kind`` says ("fixed", "zipf", "never"); None: the point has no stream
     live_stream: Callable[[str], Callable[[], Any]] | None = None
     # the whole forward around a breakpoint compiled with fullgraph=True (the breakpoint one op
-    # in the graph; modes *-fullcompile); None: not here
+    # in the graph; modes *-fullcompile), or around its form that returns its result where the
+    # workload has one (for every whole-compiled mode alike); None: not here
     make_fullcompile_forward: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
     # the forward with attention as a custom op tagged cudagraph_unsafe, not compiled (the peer
     # inductor-partition compiles it with graph partition); None: not here

@@ -20,9 +20,12 @@ from :func:`bcg.live` and writes into a preallocated output argument in place
   KV copies). Same cu_seqlens and fallback as ``varlen``.
 * ``loop`` - a per-request causal ``F.scaled_dot_product_attention`` loop (host heavy).
 
-GQA: except for ``flash``, the KV heads are repeated to the query heads first
-(``repeat_interleave`` over the head dimension, written as expand+reshape: one
-copy kernel each for K and V).
+GQA: ``flash`` takes the grouped KV heads, and so does ``varlen`` where this
+torch's ``varlen_attn`` has ``enable_gqa``. Otherwise the KV heads are repeated to
+the query heads (``repeat_interleave`` over the head dimension, written as
+expand+reshape): for ``varlen`` by the model's code before the breakpoint is
+called (:func:`expands_kv`), so graphs capture it and a whole-model compile fuses
+it; ``loop`` and ``unfused`` repeat per request inside.
 
 Staged attention (modes ``bcg-staged``, ``bcg-staged-compile``; ``flash`` and
 ``varlen`` on a GPU): the same function as a *staged* breakpoint
@@ -94,6 +97,9 @@ def _causal_kwargs() -> dict[str, Any] | None:
 
 
 _CAUSAL = _causal_kwargs()
+# grouped KV heads, where this torch's varlen_attn takes them (else they are repeated first)
+_GQA = {"enable_gqa": True} if _varlen_attn is not None and "enable_gqa" in inspect.signature(
+    _varlen_attn).parameters else None
 # the kernel behind varlen_attn, as one OpOverload (the cheapest call from Python)
 _FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
 
@@ -489,19 +495,29 @@ class LlamaModel:
             self._staged[slots] = StagedAttention(slots, self.device)
         return self._staged[slots]
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, attn: Any, regions: Regions | None = None,
+                expand_kv: bool = False) -> torch.Tensor:
         """The decoder on ``x`` (``[T, hidden]``) at positions ``pos``; ``attn(q, k, v, out)`` is
-        each layer's attention (or a sequence of them, one per layer: a paged cache's layers)."""
+        each layer's attention (or a sequence of them, one per layer: a paged cache's layers),
+        which writes ``out`` or returns its result;
+        ``expand_kv``: K and V reach it with their heads repeated to the query heads (GQA), by
+        this code, before the call: captured in the segments, fused by a whole-model compile."""
         r = regions or self.regions
         layers = self.layers
         attns = list(attn) if isinstance(attn, (list, tuple)) else [attn] * len(layers)
+        rep = self.H // self.KV if expand_kv else 1
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+            result = attns[i](q, _expand_kv(k, rep), _expand_kv(v, rep), o)
+            return o if result is None else result  # written into o, or returned
+
         L0 = layers[0]
         cos, sin, q, k, v, o = r.first(x, pos, self.cos, self.sin, L0.attn_norm, L0.wqkv)
         for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
-            attns[i](q, k, v, o)
+            o = attend(i, q, k, v, o)
             x, q, k, v, o = r.middle(x, o, cos, sin, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down,
                                      nxt.attn_norm, nxt.wqkv)
-        attns[-1](q, k, v, o)
+        o = attend(-1, q, k, v, o)
         L = layers[-1]
         return r.last(x, o, L.wo, L.ffn_norm, L.w_gate_up, L.w_down, self.norm)
 
@@ -559,6 +575,13 @@ def unfused_per_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         start = end
 
 
+def expands_kv(attn: str) -> bool:
+    """Whether the model repeats the KV heads before ``attn``'s call: ``varlen`` where this
+    torch's ``varlen_attn`` has no ``enable_gqa`` (docs/compile.md: keep a breakpoint's body to
+    its kernel call). ``flash`` is GQA native; ``loop`` and ``unfused`` repeat per request."""
+    return attn == "varlen" and _GQA is None
+
+
 def varlen_usable(device: torch.device) -> bool:
     return _varlen_attn is not None and _CAUSAL is not None and device.type == "cuda"
 
@@ -590,50 +613,69 @@ def cu_seqlens(lengths: Any, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu: torch.Tensor, max_len: int) -> None:
-    """One causal ``varlen_attn`` call over the packed batch; writes ``out`` in place."""
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """One causal ``varlen_attn`` call over the packed batch."""
     assert _varlen_attn is not None and _CAUSAL is not None
     rep = q.shape[1] // k.shape[1]
-    o = _varlen_attn(q, _expand_kv(k, rep), _expand_kv(v, rep), cu, cu, max_len, max_len, **_CAUSAL)
-    out.copy_(o)
+    if rep > 1 and _GQA is not None:
+        return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **_CAUSAL, **_GQA)
+    return _varlen_attn(q, _expand_kv(k, rep), _expand_kv(v, rep), cu, cu, max_len, max_len, **_CAUSAL)
 
 
-def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu: torch.Tensor, max_len: int) -> None:
-    """One causal flash-attention call over the packed batch, GQA native; writes ``out`` in place."""
+def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """One causal flash-attention call over the packed batch, GQA native."""
     assert _FLASH is not None
-    out.copy_(_FLASH(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0])
+    return _FLASH(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0]
 
 
-def _packed_attention(kernel: Any, usable: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: torch.Tensor) -> None:
+def _packed_attention(kernel: Any, usable: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``kernel`` (:func:`flash` or :func:`varlen`) over the batch :func:`bcg.live` returns, or
-    the SDPA loop where ``usable(device)`` says it cannot run.
+    the SDPA loop where ``usable(device)`` says it cannot run: the result.
 
     The batch is a :class:`Batch` (its ``cu`` built per forward; None, as in the staged modes'
     host-only metadata: built here from the lengths) or, inline, a :class:`StagedBatch`.
     """
     batch = bcg.live()
     if not usable(q.device):
+        out = torch.empty_like(q)
         sdpa_per_request(q, k, v, out, batch.lengths)
-        return
+        return out
     cu = batch.cu if batch.cu is not None else cu_seqlens(batch.lengths, q.device)
-    kernel(q, k, v, out, cu, batch.max_len)
+    return kernel(q, k, v, cu, batch.max_len)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """Flash attention over the live batch: the function of ``attention_flash`` and of
-    ``attention_flash_staged``."""
-    _packed_attention(flash, flash_usable, q, k, v, out)
+    """Flash attention over the live batch, written into ``out``: the function of
+    ``attention_flash`` and of ``attention_flash_staged``."""
+    out.copy_(_packed_attention(flash, flash_usable, q, k, v))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """``varlen_attn`` over the live batch: the function of ``attention_varlen`` and of
-    ``attention_varlen_staged``."""
-    _packed_attention(varlen, varlen_usable, q, k, v, out)
+    """``varlen_attn`` over the live batch, written into ``out``: the function of
+    ``attention_varlen`` and of ``attention_varlen_staged``."""
+    out.copy_(_packed_attention(varlen, varlen_usable, q, k, v))
+
+
+def flash_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`flash_attention` returning its result (``out`` is not used): what the whole-compiled
+    modes call, so that the compiled code reads the kernel's output where it lies."""
+    return _packed_attention(flash, flash_usable, q, k, v)
+
+
+def varlen_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`varlen_attention` returning its result (``out`` is not used)."""
+    return _packed_attention(varlen, varlen_usable, q, k, v)
+
+
+def _result_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 attention_flash = bcg.breakpoint(flash_attention, name="attention_flash", mutates=("out",))
 attention_varlen = bcg.breakpoint(varlen_attention, name="attention_varlen", mutates=("out",))
+# the same attentions returning their result: the whole-compiled modes' (see RESULTS)
+attention_flash_result = bcg.breakpoint(flash_result, name="attention_flash_result", fake=_result_fake)
+attention_varlen_result = bcg.breakpoint(varlen_result, name="attention_varlen_result", fake=_result_fake)
 
 
 @bcg.breakpoint(name="attention_loop", mutates=("out",))
@@ -716,6 +758,12 @@ class StagedAttention:
             attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
             for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
         }
+        # the same, returning their result (the whole-compiled modes': see RESULTS)
+        self.results: dict[str, Any] = {
+            attn: bcg.breakpoint(fn, name=f"attention_{attn}_result_staged", fake=_result_fake, prepare=prepare,
+                                 fits=fits)
+            for attn, fn in (("flash", flash_result), ("varlen", varlen_result))
+        }
 
     def fits(self, batch: Batch, staged: StagedBatch) -> bool:
         """Whether ``batch``'s requests fit the slots of the graph captured with ``staged`` (else
@@ -753,17 +801,18 @@ _PARTITION_OPS: dict[str, Any] = {}
 def partition_attention(attn: str) -> Any:
     """The ``flash``/``varlen`` attention as a custom op tagged ``cudagraph_unsafe`` (made once):
     what a user of Inductor's graph partition writes (mode ``inductor-partition``). It reads the
-    batch from :func:`bcg.live` as the breakpoints do, and runs eagerly between Inductor's graphs."""
+    batch from :func:`bcg.live` as the breakpoints do, returns its result, as the whole-compiled
+    bcg modes' breakpoints do (:data:`RESULTS`), and runs eagerly between Inductor's graphs."""
     op = _PARTITION_OPS.get(attn)
     if op is None:
-        fn = flash_attention if attn == "flash" else varlen_attention
+        fn = flash_result if attn == "flash" else varlen_result
 
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-            fn(q, k, v, out)
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            return fn(q, k, v, out)
 
-        op = torch.library.custom_op(f"bcg_bench::attention_{attn}_unsafe", mutates_args=("out",),
+        op = torch.library.custom_op(f"bcg_bench::attention_{attn}_unsafe", mutates_args=(),
                                      tags=(torch.Tag.cudagraph_unsafe,))(attention)
-        op.register_fake(lambda q, k, v, out: None)
+        op.register_fake(_result_fake)
         _PARTITION_OPS[attn] = op
     return op
 
@@ -776,16 +825,30 @@ def compiled_whole(fn: Any, **compile_kwargs: Any) -> Any:
     return torch.compile(fresh, fullgraph=True, dynamic=False, **compile_kwargs)
 
 
-def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> Any:
-    """The same attention with the lengths frozen now: capturable inside one CUDA graph."""
+def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device, result: bool = False) -> Any:
+    """The same attention with the lengths frozen now: capturable inside one CUDA graph
+    (``result``: returning its result, for ``flash`` and ``varlen`` on a GPU)."""
     if attn == "unfused":
         return lambda q, k, v, out: unfused_per_request(q, k, v, out, lengths)
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         cu = cu_seqlens(lengths, device)
         max_len = max(lengths)
         kernel = flash if attn == "flash" else varlen
-        return lambda q, k, v, out: kernel(q, k, v, out, cu, max_len)
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+            o = kernel(q, k, v, cu, max_len)
+            if result:
+                return o
+            out.copy_(o)
+            return None
+
+        return attention
     return lambda q, k, v, out: sdpa_per_request(q, k, v, out, lengths)
+
+
+#: The whole-compiled modes' attention: each breakpoint's form that returns its result, so the
+#: compiled code reads it where the kernel wrote it (no ``out.copy_``; docs/compile.md). The
+#: other modes keep the forms that write ``out``, whose breakable replays copy the same bytes.
+RESULTS = {attention_flash: attention_flash_result, attention_varlen: attention_varlen_result}
 
 
 # -- cases --------------------------------------------------------------------------------
@@ -816,19 +879,25 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     def write_inputs(fresh: bool) -> None:
         x.copy_(x_fresh if fresh else x_base)
 
+    expand = expands_kv(attn)
+
     def make_forward(bp: Any) -> Any:
-        return lambda x, pos: model.forward(x, pos, bp)
+        return lambda x, pos: model.forward(x, pos, bp, expand_kv=expand)
 
     def make_compiled_forward(bp: Any) -> Any:
         regions = model.compiled_regions()
-        return lambda x, pos: model.forward(x, pos, bp, regions)
+        return lambda x, pos: model.forward(x, pos, bp, regions, expand_kv=expand)
 
     def make_forward_no_reduce(bp: Any) -> Any:
-        return lambda x, pos: model.forward(x, pos, bp, model.regions_no_reduce)
+        return lambda x, pos: model.forward(x, pos, bp, model.regions_no_reduce, expand_kv=expand)
 
     lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
 
     bp = BREAKPOINTS[attn]
+    bp_frozen = frozen_attention(attn, lengths, device)
+    results: dict[Any, Any] = {}  # each attention's form that returns its result (the whole-compiled modes')
+    if attn in _BACKENDS and _BACKENDS[attn][1](device):
+        results = {**RESULTS, bp_frozen: frozen_attention(attn, lengths, device, result=True)}
     case = Case(
         workload=NAME,
         attn=attn,
@@ -839,7 +908,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         new_live=lambda: Batch.build(lengths, device),
         make_forward=make_forward,
         make_compiled_forward=make_compiled_forward if compile_usable(device) is None and model.tp is None else None,
-        make_fullcompile_forward=((lambda bp: compiled_whole(make_forward(bp)))
+        make_fullcompile_forward=((lambda bp: compiled_whole(make_forward(results.get(bp, bp))))
                                   if compile_usable(device) is None and model.tp is None else None),
         make_partition_forward=((lambda: make_forward(partition_attention(attn)))
                                 if attn in _BACKENDS and _BACKENDS[attn][1](device)
@@ -847,7 +916,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
         make_forward_no_reduce=make_forward_no_reduce if model.tp is not None else None,
         bp=bp,
         bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
-        bp_frozen=frozen_attention(attn, lengths, device),
+        bp_frozen=bp_frozen,
         num_breaks=model.shape["layers"],
         write_inputs=write_inputs,
         fields={"attn_backend": attn_backend(attn, device), "lengths": list(lengths),
@@ -871,6 +940,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         # host-only metadata: the staged prepare (inline) or the breakpoint (fallback) builds cu_seqlens
         staged = model.staged_attention(args.slots)
+        results[staged.breakpoints[attn]] = staged.results[attn]
         case.staged = dataclasses.replace(
             case,
             bp=staged.breakpoints[attn],
@@ -1029,7 +1099,7 @@ def _ladder(
         return staged_attention.capture_lives(n, lengths_for, tiers_of(args)) if staged else live_for(n)
 
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return model.forward(x, pos, bp, regions)
+        return model.forward(x, pos, bp, regions, expand_kv=expands_kv("varlen"))
 
     section: dict[str, Any] = {"buckets": buckets}
     if regions is not None:

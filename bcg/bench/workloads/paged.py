@@ -11,16 +11,18 @@ Attention for one layer (:func:`paged_attention`), with every piece of metadata 
 and every size a static bound, so it can run inside a CUDA graph:
 
 1. write the new tokens' K and V into the cache at their slots (``index_copy_``);
-2. gather each request's pages, up to ``pages_per_request`` of them (the context bound);
+2. gather each request's pages into a span of ``pages_per_request * page`` tokens (the context
+   bound): on CUDA with Triton, one kernel that copies only the tokens of each request's context
+   (its work follows the context lengths, not the bound; the rest of a span is not written);
+   elsewhere ``index_select`` over the whole bound;
 3. causal attention of each request's new tokens over its context: on CUDA one call of ATen's
-   flash kernel with ``seqused_k`` (the context lengths), the gathered K/V laid out
-   ``pages_per_request * page`` tokens per request; elsewhere a masked attention in plain ops;
+   flash kernel with ``seqused_k`` (the context lengths: it reads no key past them); elsewhere a
+   masked attention in plain ops;
 4. rows past the batch's tokens (padding) are written as zeros.
 
 Why a gather: this torch's flash kernel reads K/V through ``cu_seqlens_k`` and ``seqused_k`` but
 takes no block table (torch 2.13 adds one), and FlexAttention's paged attention is an
-experimental module that needs ``torch.compile``. The gather is public ops and one kernel; its
-cost grows with the context bound, which staged tiers keep close to the batch's longest context.
+experimental module that needs ``torch.compile``. The floor and every mode run the same gather.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 import bcg
+from bcg.core.torch_internals import has_triton
 
 _FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
 
@@ -206,9 +209,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     flat_k, flat_v = k_cache.view(pages * page, KV, D), v_cache.view(pages * page, KV, D)
     flat_k.index_copy_(0, slots, k)
     flat_v.index_copy_(0, slots, v)
-    index = (table.to(torch.int64).unsqueeze(-1) * page
-             + torch.arange(page, device=table.device)).view(R * P * page)
-    kg, vg = flat_k.index_select(0, index), flat_v.index_select(0, index)  # [R * L, KV, D]
+    kg, vg = gather_pages(flat_k, flat_v, table, ctx, page)  # [R * L, KV, D]
     L = P * page
     if flash_paged_usable(q.device, q.dtype):
         cu_k = torch.arange(0, (R + 1) * L, L, device=q.device, dtype=torch.int32)
@@ -220,6 +221,57 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         o = _masked_attention(q, kg.view(R, L, KV, D), vg.view(R, L, KV, D), cu_q, ctx)
     rows = torch.arange(T, device=q.device) < cu_q[-1]
     out.copy_(torch.where(rows.view(T, 1, 1), o, torch.zeros((), device=o.device, dtype=o.dtype)))
+
+
+def gather_pages(flat_k: torch.Tensor, flat_v: torch.Tensor, table: torch.Tensor, ctx: torch.Tensor,
+                 page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's K and V context, ``table.shape[1] * page`` tokens per request (its span),
+    from ``[pages * page, KV, D]`` caches: ``[R * P * page, KV, D]`` each.
+
+    On CUDA with Triton one kernel copies, per request, only the ``ctx[r]`` tokens of its
+    context and leaves the rest of its span unwritten (attention must read no key past
+    ``ctx[r]``: flash with ``seqused_k`` does not); elsewhere ``index_select`` copies whole spans.
+    """
+    R, P = table.shape
+    if flat_k.is_cuda and has_triton():
+        _, KV, D = flat_k.shape
+        kg = torch.empty((R * P * page, KV, D), device=flat_k.device, dtype=flat_k.dtype)
+        vg = torch.empty_like(kg)
+        if R * P:
+            row = KV * D
+            block = min(2048, 1 << (page * row - 1).bit_length())
+            _gather_kernel()[(R, P)](flat_k, flat_v, kg, vg, table, table.stride(0), ctx, P,
+                                     PAGE=page, ROW=row, BLOCK=block, num_warps=4)
+        return kg, vg
+    index = (table.to(torch.int64).unsqueeze(-1) * page
+             + torch.arange(page, device=table.device)).view(R * P * page)
+    return flat_k.index_select(0, index), flat_v.index_select(0, index)
+
+
+@functools.cache
+def _gather_kernel() -> Any:
+    """The Triton kernel of :func:`gather_pages`: program ``(r, p)`` copies the tokens of request
+    ``r``'s page ``p`` that its context covers (none past ``ctx[r]``), K and V."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["table_stride", "P"])  # one build for every batch's table width
+    def gather(k, v, kg, vg, table, table_stride, ctx, P, PAGE: tl.constexpr, ROW: tl.constexpr,
+               BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        p = tl.program_id(1)
+        used = tl.load(ctx + r) - p * PAGE  # tokens of this page in the context
+        if used > 0:
+            n = tl.minimum(used, PAGE) * ROW
+            src = tl.load(table + r * table_stride + p).to(tl.int64) * (PAGE * ROW)
+            dst = (r * P + p).to(tl.int64) * (PAGE * ROW)
+            for i in range(0, PAGE * ROW, BLOCK):
+                offs = i + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(kg + dst + offs, tl.load(k + src + offs, mask=mask), mask=mask)
+                tl.store(vg + dst + offs, tl.load(v + src + offs, mask=mask), mask=mask)
+
+    return gather
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -391,7 +443,8 @@ class StagedPagedAttention:
 def tiers(max_q: int, pages: int) -> list[tuple[int, int]]:
     """Staged tiers below a form's bounds, as ``(max_q, pages)`` pairs, smallest first: a quarter
     and a half of the bound that sizes the attention's work. Decode (``max_q`` 1): the context
-    bound, since the gather reads ``pages`` pages per request. Mixed: ``max_q``, since the flash
+    bound, which sizes the flash kernel's key blocks and splits (and, without Triton, the gather
+    itself). Mixed: ``max_q``, since the flash
     kernel launches blocks for ``max_q`` rows per request and head (the decode requests' long
     contexts keep the context bound up)."""
     if max_q == 1:
