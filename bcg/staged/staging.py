@@ -135,24 +135,22 @@ class StagingBuffer:
                     "(reading it would wait on the GPU)"
                 )
             values = values.detach().numpy()
-        if isinstance(values, np.ndarray):
-            if values.dtype == self._host_buffer.dtype and values.size == self._numel:
-                np.copyto(self._host_buffer, values.reshape(-1))  # one memcpy, whatever the size
-                if written is not None and self not in written:
-                    written.append(self)
-                return
-            values = values.reshape(-1).tolist()  # another dtype: packed, so values are range-checked
-        if len(values) != self._numel:
-            raise ValueError(
-                f"StagingBuffer.write got {len(values)} values for a buffer of {self._numel}: "
-                "write every element (fill unused slots with sentinels)"
-            )
-        try:
-            self._pack(self._host_buffer, 0, *values)
-        except struct.error as exc:
-            raise TypeError(
-                f"StagingBuffer.write: {exc}: write {self.host.dtype} values (numbers of its kind, in its range)"
-            ) from exc
+        if isinstance(values, np.ndarray) and values.dtype == self._host_buffer.dtype and values.size == self._numel:
+            np.copyto(self._host_buffer, values.reshape(-1))  # one memcpy, whatever the size
+        else:
+            if isinstance(values, np.ndarray):
+                values = values.reshape(-1).tolist()  # another dtype: packed, so values are range-checked
+            if len(values) != self._numel:
+                raise ValueError(
+                    f"StagingBuffer.write got {len(values)} values for a buffer of {self._numel}: "
+                    "write every element (fill unused slots with sentinels)"
+                )
+            try:
+                self._pack(self._host_buffer, 0, *values)
+            except struct.error as exc:
+                raise TypeError(
+                    f"StagingBuffer.write: {exc}: write {self.host.dtype} values (numbers of its kind, in its range)"
+                ) from exc
         if written is not None and self not in written:
             written.append(self)
 
