@@ -8,7 +8,9 @@ T) sum to T.
 
 Attention is one ``@bcg.breakpoint`` per layer. It reads the request lengths
 from :func:`bcg.live` and writes into a preallocated output argument in place
-(no bridge copy). Implementations (``--attn``):
+(no bridge copy); the whole-compiled modes call the ``flash`` and ``varlen``
+forms that return their result instead (:data:`RESULTS`). Implementations
+(``--attn``):
 
 * ``varlen`` - one ``torch.nn.attention.varlen.varlen_attn`` call (causal); the
   breakpoint's host work builds ``cu_seqlens`` (int32, pinned, non-blocking copy)
@@ -834,6 +836,7 @@ def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device, 
         cu = cu_seqlens(lengths, device)
         max_len = max(lengths)
         kernel = flash if attn == "flash" else varlen
+
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
             o = kernel(q, k, v, cu, max_len)
             if result:
