@@ -411,6 +411,17 @@ def build_floor_fullcompile(case: Case, ctx: BuildContext) -> Built:
 
 
 @register_mode(
+    "floor-fullcompile-again",
+    help="a second floor-fullcompile (its own compile and capture), timed as its own mode: its paired ratio "
+    "to floor-fullcompile is the whole-compiled modes' A/A noise",
+    available=_compile_reason,
+    compiled="full",
+)
+def build_floor_fullcompile_again(case: Case, ctx: BuildContext) -> Built:
+    return build_floor_fullcompile(case, ctx)
+
+
+@register_mode(
     "bcg-fullcompile",
     help="bcg.GraphRunner (one bucket = T) over the whole forward compiled with fullgraph=True (each "
     "breakpoint one op); row has compile_s",
