@@ -418,14 +418,14 @@ class BreakableGraph:
         """
         if self._replaying:
             raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
-        disabled = self._disabled - {label} if enabled else self._disabled | {label}
-        if not self._forms or self._forms[0].executor is None:
-            return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
-        if disabled == self._disabled:  # nothing changes (the runner asks at every call)
+        if (label in self._disabled) != enabled:  # nothing changes (the runner asks at every call)
             done = self._switch_done.get((label, enabled))
             if done is not None:
                 return done
-        else:
+        if not self._forms or self._forms[0].executor is None:
+            return enabled  # no captured CUDA graph (eager mode, not captured): the work runs
+        disabled = self._disabled - {label} if enabled else self._disabled | {label}
+        if disabled != self._disabled:
             self._switch_done = {}
         self._disabled = disabled
         done = True

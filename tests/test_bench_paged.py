@@ -96,6 +96,13 @@ def test_batch_metadata() -> None:
     assert slots.dtype == np.int64 and cu.dtype == ctx.dtype == table.dtype == np.int32
     assert slots[:4].tolist() == batch.slots() and all(s < 4 for s in slots[4:].tolist())
     assert cu.tolist() == [0, 1, 4, 4] and ctx.tolist() == [5, 3, 0] and table.tolist() == [[7, 2], [4, 0], [0, 0]]
+    # into reused arrays holding another batch's values: every element is written
+    for bounds in ((6, 3, 2), (4, 2, 3), (9, 5, 4)):
+        fresh = batch.padded(*bounds)
+        stale = tuple(np.full_like(a, -7) for a in fresh)
+        assert batch.padded(*bounds, out=stale) is stale
+        assert [a.tolist() for a in stale] == [a.tolist() for a in fresh]
+        assert (stale[3] >= 0).all() and (stale[2] >= 0).all() and stale[1][-1] == batch.tokens
     spare = PagedBatch((1,), (3,), ((9, 8, 7),), 4)  # a table with spare pages, cut to the bound
     assert spare.padded(tokens=2, requests=1, pages=2)[3].tolist() == [[9, 8]]
     with pytest.raises(ValueError, match="does not fit"):

@@ -8,6 +8,7 @@ private torch name (``tests/test_layout.py`` checks it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -177,8 +178,9 @@ def inductor_config() -> Any:
     return sys.modules.get("torch._inductor.config")
 
 
+@functools.cache
 def has_triton() -> bool:
-    """Whether Triton (Inductor's GPU backend) is usable here.
+    """Whether Triton (Inductor's GPU backend) is usable here (asked once per process).
 
     Private: torch's own check (``torch.utils._triton.has_triton``); no public one.
     """

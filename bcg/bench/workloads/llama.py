@@ -827,25 +827,26 @@ def compiled_whole(fn: Any, **compile_kwargs: Any) -> Any:
     return torch.compile(fresh, fullgraph=True, dynamic=False, **compile_kwargs)
 
 
-def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device, result: bool = False) -> Any:
-    """The same attention with the lengths frozen now: capturable inside one CUDA graph
-    (``result``: returning its result, for ``flash`` and ``varlen`` on a GPU)."""
+def frozen_attention(attn: str, lengths: tuple[int, ...], device: torch.device) -> tuple[Any, Any]:
+    """The same attention with the lengths frozen now, capturable inside one CUDA graph:
+    ``(writes_out, returns_result)``, the second None unless ``attn`` is ``flash`` or
+    ``varlen`` on a GPU (the whole-compiled floor's form: see :data:`RESULTS`). The metadata
+    is uploaded once, shared by both."""
     if attn == "unfused":
-        return lambda q, k, v, out: unfused_per_request(q, k, v, out, lengths)
+        return (lambda q, k, v, out: unfused_per_request(q, k, v, out, lengths)), None
     if attn in _BACKENDS and _BACKENDS[attn][1](device):
         cu = cu_seqlens(lengths, device)
         max_len = max(lengths)
         kernel = flash if attn == "flash" else varlen
 
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-            o = kernel(q, k, v, cu, max_len)
-            if result:
-                return o
-            out.copy_(o)
-            return None
+        def returns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            return kernel(q, k, v, cu, max_len)
 
-        return attention
-    return lambda q, k, v, out: sdpa_per_request(q, k, v, out, lengths)
+        def writes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+            out.copy_(returns(q, k, v, out))
+
+        return writes, returns
+    return (lambda q, k, v, out: sdpa_per_request(q, k, v, out, lengths)), None
 
 
 #: The whole-compiled modes' attention: each breakpoint's form that returns its result, so the
@@ -897,10 +898,10 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
     lengths_for = functools.partial(bucket_lengths, args)  # a runner's batch of n tokens
 
     bp = BREAKPOINTS[attn]
-    bp_frozen = frozen_attention(attn, lengths, device)
+    bp_frozen, bp_frozen_result = frozen_attention(attn, lengths, device)
     results: dict[Any, Any] = {}  # each attention's form that returns its result (the whole-compiled modes')
-    if attn in _BACKENDS and _BACKENDS[attn][1](device):
-        results = {**RESULTS, bp_frozen: frozen_attention(attn, lengths, device, result=True)}
+    if bp_frozen_result is not None:
+        results = {**RESULTS, bp_frozen: bp_frozen_result}
     case = Case(
         workload=NAME,
         attn=attn,

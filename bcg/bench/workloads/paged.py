@@ -135,14 +135,19 @@ class PagedBatch:
         out_slots, out_cu, out_ctx, out_table = out
         slots, cu, ctx, table = self._host
         R, N, n = self.requests, self.tokens, min(table.shape[1], pages)
+        # (each NumPy call costs host time at every replay: none for an empty span)
         out_slots[:N] = slots
-        out_slots[N:] = _trash_slots(tokens, self.page)[N:]
+        if N < tokens:
+            out_slots[N:] = _trash_slots(tokens, self.page)[N:]
         out_cu[: R + 1] = cu
-        out_cu[R + 1:] = N
         out_ctx[:R] = ctx
-        out_ctx[R:] = 0
-        out_table.fill(0)
-        out_table[:R, :n] = table[:, :n]
+        if R < requests:
+            out_cu[R + 1:] = N
+            out_ctx[R:] = 0
+            out_table[R:] = 0
+        out_table[:R, :n] = table[:, :n] if n < table.shape[1] else table
+        if n < pages:
+            out_table[:R, n:] = 0
         return out
 
     @functools.cached_property
@@ -395,27 +400,27 @@ class StagedPagedAttention:
         pages: pages per request (the context bound, in pages).
         page: tokens per page.
 
-    The int32 metadata (``cu_q``, ``ctx``, the tables) shares one buffer: one host write and
-    one captured copy for the three.
+    All the metadata shares one buffer of bytes (the int64 slots, then the int32 ``cu_q``,
+    ``ctx`` and tables): one host write and one captured copy per replay.
     """
 
     def __init__(self, tokens: int, requests: int, pages: int, page: int, device: torch.device) -> None:
         self.tokens, self.requests, self.pages, self.page = tokens, requests, pages, page
-        self.slots = bcg.StagingBuffer((tokens,), dtype=torch.int64, device=device)
-        self.meta = bcg.StagingBuffer((2 * requests + 1 + requests * pages,), dtype=torch.int32, device=device)
-        # the arrays prepare pads into (then one memcpy each into the pinned buffers)
-        self._slots = np.empty(tokens, dtype=np.int64)
-        self._meta = np.empty(self.meta.device.shape, dtype=np.int32)
-        self._padded = (self._slots, *self._split(self._meta))
+        ints = 2 * requests + 1 + requests * pages
+        self.buffer = bcg.StagingBuffer((8 * tokens + 4 * ints,), dtype=torch.uint8, device=device)
+        # the bytes prepare pads into, as typed views (then one memcpy into the pinned buffer)
+        self._bytes = np.empty(self.buffer.device.shape, dtype=np.uint8)
+        self._padded = self._views(self._bytes, np.int64, np.int32)
         self._staged: dict[tuple[int, int, int], StagedPaged] = {}  # by the bounds of a form
         prepare, fits = self.prepare, self.fits  # one object each, shared by every layer's breakpoint
         self.breakpoint = bcg.breakpoint(_paged, name="attention_paged_staged",
                                          mutates=("out", "k_cache", "v_cache"), prepare=prepare, fits=fits)
 
-    def _split(self, meta: Any) -> tuple[Any, Any, Any]:
-        """``(cu_q, ctx, table)``: views of the int32 metadata (an array or a tensor)."""
-        R = self.requests
-        return meta[: R + 1], meta[R + 1: 2 * R + 1], meta[2 * R + 1:].reshape(R, self.pages)
+    def _views(self, raw: Any, int64: Any, int32: Any) -> tuple[Any, Any, Any, Any]:
+        """``(slots, cu_q, ctx, table)``: typed views of the bytes (a NumPy array or a tensor)."""
+        R, cut = self.requests, 8 * self.tokens
+        meta = raw[cut:].view(int32)
+        return raw[:cut].view(int64), meta[: R + 1], meta[R + 1: 2 * R + 1], meta[2 * R + 1:].reshape(R, self.pages)
 
     def fits(self, live: PagedLive, staged: StagedPaged) -> bool:
         """Whether the batch fits the bounds of the form captured with ``staged``."""
@@ -427,15 +432,14 @@ class StagedPagedAttention:
         """Write the batch's metadata over the buffers' bounds (host only); return the views the
         form captured with ``live`` reads (its bounds: ``live``'s, else the buffers')."""
         live.batch.padded(self.tokens, self.requests, self.pages, out=self._padded)
-        self.slots.write(self._slots)  # arrays of the buffers' dtypes: one memcpy each
-        self.meta.write(self._meta)
+        self.buffer.write(self._bytes)  # an array of the buffer's dtype: one memcpy
         key = (min(live.requests or self.requests, self.requests), min(live.pages or self.pages, self.pages),
                live.max_q or self.tokens)
         staged = self._staged.get(key)
         if staged is None:  # the same views at every replay: made once (torch ops cost host time)
             requests, pages, max_q = key
-            cu, ctx, table = self._split(self.meta.device)
-            staged = self._staged[key] = StagedPaged(self.slots.device, cu[: requests + 1], ctx[:requests],
+            slots, cu, ctx, table = self._views(self.buffer.device, torch.int64, torch.int32)
+            staged = self._staged[key] = StagedPaged(slots, cu[: requests + 1], ctx[:requests],
                                                      table[:requests, :pages], max_q, requests, pages, self.tokens)
         return staged
 
