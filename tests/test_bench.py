@@ -573,13 +573,16 @@ def test_lifecycle_report_on_a_cpu_runner() -> None:
         return (torch.randn(T, 32), positions_for([T], T, "cpu")), {"lengths": [T]}
 
     report = lifecycle.measure(model, make, batch, torch.device("cpu"), seed=1)
-    assert len(made) == 3 and report["calls_T"] == 8
+    assert len(made) == 4 and report["calls_T"] == 8
     for way in ("capture_all", "lazy", "background"):
         assert report[way]["to_first_result_s"] > 0 and report[way]["capture_s"] >= 0
     assert sorted(report["lazy"]["order"]) == buckets
-    lazy = report["lazy"]
-    assert 0 < lazy["first_bucket_capture_s"] <= lazy["first_capture_total_s"] <= lazy["to_first_result_s"]
-    assert lazy["eager_plus_one_capture_s"] == lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
+    assert [bcg.runner.pick_bucket(buckets, T) for T in report["lazy"]["sizes"]] == report["lazy"]["order"]
+    assert report["lazy_at_bucket_size"]["first_T"] == report["lazy"]["order"][0]
+    for lazy in (report["lazy"], report["lazy_at_bucket_size"]):
+        assert 0 < lazy["first_bucket_capture_s"] <= lazy["first_capture_total_s"] <= lazy["to_first_result_s"]
+        assert lazy["eager_plus_one_capture_s"] == lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
+        assert lazy["eager_plus_capture_all_bucket_s"] > lazy["first_call_eager_s"]
     assert report["background"]["calls_during_capture"] >= 1
     assert report["background"]["eager_calls_per_s"] > 0
     assert report["sleep_wake"]["freed_mib"] is None and report["capture_all"]["pool_mib"] is None

@@ -411,6 +411,46 @@ def test_rows_crossing_breakpoints_are_zeroed_so_padding_never_leaks() -> None:
     assert not torch.isnan(unsafe(torch.randn(8, HIDDEN), live=8)).any()  # T = bucket: no padding
 
 
+@pytest.mark.parametrize("first_T", [5, 8])
+def test_a_lazy_runners_first_call_tells_its_capture_which_rows_to_zero(first_T: int) -> None:
+    """The first call's eager run (T not a bucket size) is watched as a run at its size, so its
+    bucket's capture runs forward once more (the warm-up) instead of twice (a probe run before);
+    at T equal to the bucket a probe run at another size is still needed. Either way, padded
+    calls after it never leak the NaN of padded rows."""
+    model = _CrossRow()
+    runs = [0]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        return model(x)
+
+    runner = _runner(forward, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, lazy=True)
+    for k, T in enumerate((first_T, 3, 7, 20, 1)):
+        x = torch.randn(T, HIDDEN)
+        y = runner(x, live=T)
+        with bcg.live_scope(T), torch.no_grad():
+            expected = model(x)
+        assert not torch.isnan(y).any()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        if k == 0:  # the call's run and the warm-up, and at T = 8 a probe run
+            assert runs[0] == (2 if first_T != 8 else 3)
+    assert runner.captured_buckets == [8, 32] and runner.stats()["fallbacks"]["not_captured_yet"] == 2
+
+
+def test_a_lazy_runners_first_call_runs_forward_as_it_is() -> None:
+    """The watched first call is the plain eager forward: segment code that reads bcg.live() (which a
+    capture refuses) gives its result; the bucket's capture then fails, and calls stay eager."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * bcg.live()
+
+    runner = _runner(forward, [8], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, lazy=True)
+    x = torch.randn(5, HIDDEN)
+    torch.testing.assert_close(runner(x, live=5), x * 5)
+    assert 8 in runner.failed_buckets and "bcg.live()" in runner.failed_buckets[8]
+    torch.testing.assert_close(runner(x, live=2), x * 2)
+    assert runner.stats()["fallbacks"]["capture_failed"] == 1
+
+
 def test_sanitizing_follows_the_dims_that_grow_with_the_bucket() -> None:
     """A by-reference cache whose size happens to equal a bucket is left alone, and a
     ``[heads, T, dim]`` tensor at a bucket equal to ``heads`` is zeroed along T only."""

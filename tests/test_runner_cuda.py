@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import bcg
+from bcg.core.pool import pool_bytes
 
 from .models import TinyLlama, positions_for, random_lengths
 
@@ -103,9 +104,9 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
                              progress=False, lazy=True)
     gen = torch.Generator().manual_seed(3)
     order = [64, 16, 128, 32]
-    for n in order:
+    for i, n in enumerate(order):
         for k in range(3):
-            T = n - k
+            T = n - k - (i == 0)  # (the first call's T is not its bucket's: its run is watched, no probe)
             x, pos, live = _batch(T, gen)
             y = runner(x, pos, live=live).clone()
             if k == 0:  # eager, unpadded
@@ -114,9 +115,17 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
                 assert n in runner.captured_buckets
             else:
                 assert torch.equal(y, _padded_eager(model, x, live, n))
+        if i == 0:  # the first bucket, in a pool of its own; the runner's is laid out at the next capture
+            first_pool = runner.graph(64).pool()
+            assert first_pool != runner.pool() and runner.stats()["pool_bytes"] == pool_bytes(first_pool) > 0
+        elif i == 1:  # ... which captured bucket 64 again, into the runner's pool, and freed its own
+            assert runner.graph(64).pool() == runner.pool() and pool_bytes(first_pool) == 0
+    for n in order:  # every bucket's graph, the recaptured one too
+        x, pos, live = _batch(n - 3, gen)
+        assert torch.equal(runner(x, pos, live=live), _padded_eager(model, x, live, n))
     stats = runner.stats()
     assert stats["captures"] == {"capture()": 0, "lazy": 4, "background": 0}
-    assert stats["fallbacks"]["not_captured_yet"] == 4 and stats["graph_calls"] == 8
+    assert stats["fallbacks"]["not_captured_yet"] == 4 and stats["graph_calls"] == 12
     assert runner.graph(16).stats().pool_bytes == stats["pool_bytes"] > 0  # one pool for every bucket
     runner.reset()
 

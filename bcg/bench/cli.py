@@ -594,13 +594,17 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
             f"capture {ladder['capture_s_total']:.2f} s ({ladder['graphs_compiled_during_capture']} graphs "
             f"compiled during it), total {ladder['compile_plus_capture_s']:.2f} s"
         )
-    life = extras.get("lifecycle")
-    if life:
-        a, z, bg = life["capture_all"], life["lazy"], life["background"]
+    for key in ("lifecycle", "lifecycle_breakable"):
+        life = extras.get(key)
+        if not life:
+            continue
+        a, z, zb, bg = life["capture_all"], life["lazy"], life["lazy_at_bucket_size"], life["background"]
         print(
-            f"lifecycle (T={life['calls_T']} calls): first result after {a['to_first_result_s']:.2f} s capturing "
-            f"all, {z['to_first_result_s']:.2f} s lazy (eager call + its bucket's capture: "
-            f"{z['eager_plus_one_capture_s']:.2f} s), {bg['to_first_result_s']:.2f} s in the background; "
+            f"{key} (T={life['calls_T']} calls): first result after {a['to_first_result_s']:.2f} s capturing "
+            f"all, {z['to_first_result_s']:.2f} s lazy at T={z['first_T']} (eager call + its bucket's capture: "
+            f"{z['eager_plus_one_capture_s']:.2f} s, with capture_all's: {z['eager_plus_capture_all_bucket_s']:.2f} s; "
+            f"at T={zb['first_T']}: {zb['to_first_result_s']:.2f} s against {zb['eager_plus_one_capture_s']:.2f} s), "
+            f"{bg['to_first_result_s']:.2f} s in the background; "
             f"capture {a['capture_s']:.2f} / {z['capture_s']:.2f} / {bg['capture_s']:.2f} s; pool "
             f"{a['pool_ratio_largest_first'] or 0:.3f}x the largest bucket largest first, "
             f"{z['pool_ratio_random_order'] or 0:.3f}x in a random order; reset() frees "

@@ -37,7 +37,7 @@ def measure(
         make: a new runner for ``options`` (``lazy=True``, or none), over one ladder.
         batch: ``batch(T)`` -> ``(inputs, live)`` of a call with ``T`` rows.
         device: where the runners run (memory figures on CUDA only).
-        seed: the order lazy calls bring buckets in.
+        seed: the order lazy calls bring buckets in, and their sizes.
     """
     cuda = device.type == "cuda"
 
@@ -65,9 +65,15 @@ def measure(
     runner = make()
     buckets = runner.buckets
     mid = buckets[len(buckets) // 2]
+    # the lazy calls' buckets in a random order, each call of a size in its bucket's range
+    rng = random.Random(seed)
+    order = rng.sample(buckets, len(buckets))
+    sizes = [rng.randint(prev + 1, n) for n, prev in
+             ((n, max([b for b in buckets if b < n], default=0)) for n in order)]
     runner.capture()
     call(runner, mid)
     first = time.perf_counter() - t0
+    bucket_capture_s = runner.stats()["capture_s"][order[0]]
     captured = reserved()
     alone = runner.measure_largest_alone() / MiB if cuda else None
     pool = pool_mib(runner)
@@ -93,27 +99,36 @@ def measure(
     runner.reset()
     del runner
     # -- lazily, buckets in the order calls bring them -------------------------------------------
-    order = list(buckets)
-    random.Random(seed).shuffle(order)
-    t0 = time.perf_counter()
-    runner = make(lazy=True)
-    call(runner, order[0])
-    first = time.perf_counter() - t0
-    first_stats = runner.stats()
-    for n in order[1:]:
+    def lazy_first(T: int) -> tuple[bcg.GraphRunner, dict[str, Any]]:
+        t0 = time.perf_counter()
+        runner = make(lazy=True)
+        call(runner, T)
+        first = time.perf_counter() - t0
+        stats = runner.stats()
+        return runner, {
+            "first_T": T,
+            "to_first_result_s": first,
+            # the first call's pieces: its bucket's warm-up and capture, and all the first
+            # capture took (any probe run, the static buffers and the bucket)
+            "first_bucket_capture_s": stats["capture_s"][order[0]],
+            "first_capture_total_s": stats["capture_total_s"],
+        }
+
+    runner, report["lazy"] = lazy_first(sizes[0])
+    for n in sizes[1:]:
         call(runner, n)
     pool = pool_mib(runner)
-    report["lazy"] = {
-        "to_first_result_s": first,
-        # the first call's pieces: its bucket's warm-up and capture, and all the first capture
-        # took (the probe, the static buffers and the bucket)
-        "first_bucket_capture_s": first_stats["capture_s"][order[0]],
-        "first_capture_total_s": first_stats["capture_total_s"],
+    report["lazy"].update({
         "capture_s": runner.stats()["capture_total_s"],
         "order": order,
+        "sizes": sizes,
         "pool_mib": pool,
         "pool_ratio_random_order": pool / alone if pool and alone else None,
-    }
+    })
+    runner.reset()
+    del runner
+    # the same first bucket, called at its own size (no other size seen: a probe run is needed)
+    runner, report["lazy_at_bucket_size"] = lazy_first(order[0])
     runner.reset()
     del runner
     # -- in the background, while a thread serves calls ------------------------------------------
@@ -152,16 +167,21 @@ def measure(
 
     eager_rate = eager_rate_at(mid)
     report["background"]["eager_calls_per_s"] = eager_rate
-    lazy = report["lazy"]  # the lazy target: one eager forward (the first call's) plus one bucket's capture
-    lazy["first_call_eager_s"] = 1 / eager_rate_at(order[0])
-    lazy["eager_plus_one_capture_s"] = lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
+    # the lazy target: one eager forward (the first call's) plus one bucket's capture: its own,
+    # and the same bucket's in capture_all (in a pool already laid out)
+    for lazy in (report["lazy"], report["lazy_at_bucket_size"]):
+        lazy["first_call_eager_s"] = 1 / eager_rate_at(lazy["first_T"])
+        lazy["eager_plus_one_capture_s"] = lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
+        lazy["eager_plus_capture_all_bucket_s"] = lazy["first_call_eager_s"] + bucket_capture_s
     rate = report["background"]["calls_per_s_during_capture"]
     report["background"]["rate_ratio_to_eager"] = rate / eager_rate if rate else None
     report["calls_T"] = mid
     report["note"] = (
         "to_first_result_s: from the runner's construction to the first call's result (T = calls_T; "
-        "lazy: T = order[0], against eager_plus_one_capture_s, that call's eager forward plus its "
-        "bucket's warm-up and capture); "
+        "lazy: T = first_T, in bucket order[0], against eager_plus_one_capture_s, that call's eager "
+        "forward plus its bucket's warm-up and capture, and eager_plus_capture_all_bucket_s, with that "
+        "bucket's warm-up and capture in capture_all instead; lazy calls have sizes[i] rows, in "
+        "bucket order[i]; lazy_at_bucket_size: a first call of order[0] rows); "
         "capture_s: the runner's capture seconds (warm-ups included; background: on its thread); "
         "pool ratios against the largest bucket captured alone; freed_mib: memory_reserved() before "
         "and after reset(); background: calls of T = calls_T made back to back while the ladder "

@@ -80,7 +80,7 @@ def live(default: Any = UNSET, *, static_ok: bool = False) -> Any:
     """
     if not static_ok:
         recorder = ACTIVE.get()
-        if recorder is not None and recorder.in_segment:
+        if recorder is not None and recorder.in_segment and recorder.refuses_live_reads:
             where = user_line(traceback.extract_stack()[:-1])
             raise LiveReadInSegmentError(
                 f"bcg.live() was read{' at ' + where if where else ''} by code between breakpoints "
@@ -237,6 +237,8 @@ class Recorder:
 
     #: What ``bcg.live()`` errors call the code being recorded ("graph segment 3", ...).
     segment_label = "a graph segment"
+    #: ``bcg.live()`` read by segment code raises (``False``: a recorder that only watches a plain run).
+    refuses_live_reads = True
 
     def __init__(self) -> None:
         self.in_segment = True

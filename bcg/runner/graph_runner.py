@@ -21,7 +21,7 @@ from bcg.core.torch_internals import pytree
 from bcg.capture import capture_into
 from bcg.core.breakpoint import UNSET, live_scope, recording
 from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
-from bcg.core.process import capture_lock, capture_stream
+from bcg.core.process import capture_lock, capture_stream, release_when_safe
 from bcg.core.session import CaptureOptions
 from bcg.core.torch_internals import stream_readers
 from bcg.distributed.agreement import CaptureVote, RankAgreement
@@ -76,6 +76,10 @@ class _Bucket:
     failure: str | None = None
     captured: bool = False
     trigger: str | None = None  # what captured it: "capture()", "lazy" (a call) or "background"
+    # A lazy runner's first bucket, when it is not the largest, is captured into a pool of its
+    # own (this lease): the runner's pool is laid out for the largest bucket at the next capture,
+    # which recaptures this bucket there (see GraphRunner._capture_lazily).
+    own_pool: PoolLease | None = None
     capture_s: float = 0.0
     replays: int = 0
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
@@ -88,6 +92,10 @@ class _Bucket:
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
+        if self.own_pool is not None:
+            self.own_pool.release()
+            self.own_pool = None
+            release_when_safe(torch.cuda.empty_cache)  # the pool's blocks go back to the driver
 
 
 _SLICED_KEPT = 64  # distinct T per bucket whose output views are kept
@@ -125,8 +133,9 @@ class GraphRunner:
     ``lazy``: ``runner.capture()`` becomes optional: a call whose bucket is not
     captured yet runs ``forward`` eagerly (unpadded, as the other fallbacks), then
     captures that bucket before it returns; later calls replay it
-    (``stats()["captures"]`` counts captures by trigger). ``capture()`` then
-    captures the buckets not captured yet. ``capture(background=True)``
+    (``stats()["captures"]`` counts captures by trigger). The first bucket
+    may be captured again at the next capture, into the runner's pool
+    (``docs/runner.md``). ``capture()`` then captures the buckets not captured yet. ``capture(background=True)``
     captures on a thread of its own while calls are served (see there).
     ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
@@ -300,9 +309,12 @@ class GraphRunner:
                 out = self._run_eager(n, views, live, recorder)
         if generator is not None:
             self._draws_rng = bool(self._draws_rng) or generator.get_offset() != offset
+        self._note_out_shapes(n, out)
+        return out
+
+    def _note_out_shapes(self, n: int, out: Any) -> None:
         leaves, spec = pytree.tree_flatten(out)
         self._out_shapes[n] = (spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves])
-        return out
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:
@@ -355,6 +367,7 @@ class GraphRunner:
             if self._captured and not self._lazy and not self._uncaptured():
                 raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
             t_start = time.perf_counter()
+            self._free_own_pools()  # (recaptured below, into the runner's pool)
             self._prepare_captures()
             from tqdm import tqdm
 
@@ -377,25 +390,40 @@ class GraphRunner:
             )
             return self
 
-    def _prepare_captures(self, first: int | None = None) -> None:
-        """Before the first bucket's capture: the static buffers, and the probe run (under the
-        capture lock) that tells which output dims grow with the size.
+    def _prepare_captures(self, first: int | None = None, lay_out: bool = False) -> None:
+        """Before a capture (under the capture lock): the static buffers, and, unless a run at
+        another size has told, a probe run that tells which output dims grow with the size.
 
-        ``first``: the bucket a lazy call captures first. Unless it is the largest, the probe
-        runs at the largest bucket with its allocations in the pool, so the pool holds
-        segments sized for the largest bucket, which the captures then carve from in whatever
-        order calls bring buckets (otherwise each larger bucket adds segments of its own).
+        ``first``: the bucket a lazy call captures. ``lay_out``: the probe runs at the largest
+        bucket (unless that is ``first``) with its allocations in the runner's pool, so the pool
+        holds segments sized for the largest bucket, which the captures then carve from in
+        whatever order calls bring buckets (otherwise each larger bucket adds segments of its own).
         """
-        if self._static is not None and self._out_shapes:
-            return
         self._setup()
         largest = self._buckets_list[-1]
-        lease = self._lease if first is not None and first != largest else None  # (graph mode only)
+        lease = self._lease if lay_out and first != largest else None  # (graph mode only)
+        if lease is None and any(m != first for m in self._out_shapes):
+            return
+        if lease is not None:
+            size = largest
+        elif first != self._probe_size:
+            size = self._probe_size
+        else:  # another size than the bucket's own
+            size = next((b for b in self._buckets_list if 1 < b != first), largest)
         try:
             with lease.allocating() if lease is not None else contextlib.nullcontext():
-                self._run_recorded(largest if lease is not None else self._probe_size)
+                self._run_recorded(size)
         except Exception as exc:  # the buckets' own warm-ups report failures
             log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
+
+    def _free_own_pools(self) -> list[_Bucket]:
+        """Free the buckets captured into pools of their own (they are to be captured again, into
+        the runner's pool) and return them."""
+        freed = [b for b in self._buckets.values() if b.own_pool is not None]
+        for bucket in freed:
+            bucket.free_graphs()
+            bucket.captured, bucket.trigger = False, None
+        return freed
 
     def _capture_one(self, bucket: _Bucket, trigger: str) -> None:
         """Warm up and capture ``bucket`` (under the capture lock); a failure is logged and the
@@ -425,15 +453,30 @@ class GraphRunner:
         bucket.capture_s = time.perf_counter() - t0
 
     def _capture_lazily(self, bucket: _Bucket) -> None:
-        """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held)."""
+        """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held).
+
+        The first bucket, unless it is the largest, goes into a pool of its own, with no run at
+        the largest size before it (the first call returns sooner). The next lazy capture lays
+        the runner's pool out for the largest bucket, captures its bucket, and captures the
+        first one again, into that pool (its own is freed)."""
         with self._capturing(), self._on_device():
             t_start = time.perf_counter()
-            self._prepare_captures(first=bucket.size)
-            self._capture_one(bucket, "lazy")
-            self._finish_bucket(bucket)
+            again = self._free_own_pools()
+            in_use = any(b.captured and b.own_pool is None for b in self._buckets.values())
+            if (self._mode == "graph" and self._user_pool is None and not again and not in_use
+                    and bucket.size != self._buckets_list[-1]):
+                assert self._stream is not None
+                bucket.own_pool = PoolLease(self._device.index or 0, graph_pool_handle(), self._stream)
+                self._prepare_captures(first=bucket.size)
+            else:
+                self._prepare_captures(first=bucket.size, lay_out=not in_use)
+            for b in [bucket, *again]:
+                self._capture_one(b, "lazy")
+                self._finish_bucket(b)
             self._capture_total_s += time.perf_counter() - t_start
-        log.info("bcg.GraphRunner(%s): bucket %d captured after a call (lazy) in %.2f s",
-                 self.name, bucket.size, bucket.capture_s)
+        log.info("bcg.GraphRunner(%s): bucket %d captured after a call (lazy) in %.2f s%s",
+                 self.name, bucket.size, bucket.capture_s,
+                 "".join(f"; bucket {b.size} again, into the runner's pool" for b in again))
 
     def _start_background(self) -> GraphRunner:
         if self._ranks is not None:
@@ -467,6 +510,7 @@ class GraphRunner:
                 calls, t_step = self._lock.calls, time.perf_counter()
                 with self._lock.capture_step(), self._capturing():
                     self._order_with_calls()
+                    self._free_own_pools()  # (captured again in their turn, into the runner's pool)
                     with static.preserved([self._probe_size]):
                         self._prepare_captures()
                     self._order_with_calls()
@@ -564,16 +608,18 @@ class GraphRunner:
         del out
         graph = BreakableGraph()
         bucket.graph = graph
-        out = self._capture_graph(graph, n, self._live_for(n))
+        pool = bucket.own_pool.pool if bucket.own_pool is not None else self._pool
+        assert pool is not None
+        out = self._capture_graph(graph, n, self._live_for(n), pool=pool)
         # The static outputs live in the pool; hold them through non-owning aliases so the
         # buckets captured next reuse their memory (outputs are valid until the next call).
-        assert self._pool is not None
-        membership = PoolMembership(self._pool, self._device.index or 0)
+        membership = PoolMembership(pool, self._device.index or 0)
         graph.outputs = out
         if graph.staged:
             # The breakable form, for calls whose metadata does not fit, captured while the
             # inline form's outputs are held; a replay of it copies its outputs into those.
-            self._capture_graph(graph, n, self._live_for(n), form="breakable", release=membership.release)
+            self._capture_graph(graph, n, self._live_for(n), form="breakable", pool=pool,
+                                release=membership.release)
             tier_lives = self._lives_for(n)[:-1]
             if tier_lives and self._barrier is not None:
                 # Every rank has the bucket's graph and breakable form before any tier's eager
@@ -581,7 +627,7 @@ class GraphRunner:
                 # False, and the others learn it here, not inside a tier's capture.
                 self._barrier()
             for live in tier_lives:
-                self._capture_tier(graph, n, out, live)
+                self._capture_tier(graph, n, out, live, pool)
         graph.outputs = membership.release(out)
         if self._sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
@@ -624,7 +670,7 @@ class GraphRunner:
             return capture_into(graph, forward, options, variants=self._variants, form=form, agree=agree,
                                 release=release)
 
-    def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any) -> None:
+    def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any, pool: PoolHandle) -> None:
         """A staged tier of bucket ``n``'s graph: its forward warmed up, then captured with
         ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, held
         meanwhile); skipped (logged) when a staged breakpoint did not run inline, or a step
@@ -638,7 +684,7 @@ class GraphRunner:
             sanitizer.set_rows(n)
             with self._on_capture_stream(), recording(StagedWarmup(), live), torch.no_grad():
                 self._padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
-            self._capture_graph(graph, n, live, form="tier", into=outputs,
+            self._capture_graph(graph, n, live, form="tier", into=outputs, pool=pool,
                                 agree=vote.finish if vote is not None else None)
         except Exception as exc:  # the bucket's own forms serve the calls instead
             if vote is not None:
@@ -810,8 +856,12 @@ class GraphRunner:
         if not chosen.captured:  # lazy=True, or a background capture: this call runs eagerly
             if handed is not None and self._mode == "graph":  # on the runner's own buffers: after
                 self._lock.serialize_streams(self._device.index or 0)  # the last work on them
-            out = self._fallback("not_captured_yet", inputs, live, choice)
-            if self._lazy and not self._capturing_in_background():  # (else the background thread does)
+            lazy = self._lazy and not self._capturing_in_background()  # (else the background thread captures)
+            # The first call's run, watched, tells the first capture which dims grow with the size
+            # (as a probe run would; not with ranks, whose calls' T differ: all ranks probe alike)
+            observe = lazy and self._ranks is None and 1 < T != n and not self._out_shapes
+            out = self._fallback("not_captured_yet", inputs, live, choice, observe_at=T if observe else None)
+            if lazy:
                 self._capture_lazily(chosen)
             return out
         if self._max_padding_ratio is not None and (n - T_all) > self._max_padding_ratio * n:
@@ -949,12 +999,24 @@ class GraphRunner:
             return views[0]
         return pytree.tree_unflatten(views, bucket.spec)
 
-    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, choice: dict[str, int] | None) -> Any:
-        """``forward(*inputs)`` eagerly, counted under ``reason`` (and noted in ``choice``, if any)."""
+    def _fallback(self, reason: str, inputs: tuple[Any, ...], live: Any, choice: dict[str, int] | None,
+                  observe_at: int | None = None) -> Any:
+        """``forward(*inputs)`` eagerly, counted under ``reason`` (and noted in ``choice``, if any).
+
+        ``observe_at``: the call's ``T``; the run is also recorded as a run at that size (as a
+        probe run is), unchanged (see :class:`CrossingRecorder`)."""
         with self._counts_lock:
             self._fallbacks[reason] += 1
-        with torch.no_grad(), live_scope(live):
-            out = self._forward(*inputs)
+        if observe_at is None:
+            with torch.no_grad(), live_scope(live):
+                out = self._forward(*inputs)
+        else:
+            static, sanitizer = self._setup()
+            with (sanitizer.recording(observe_at, static.static_ptrs, bridges_are_copies=self._mode == "graph",
+                                      observe=True) as recorder,
+                  recording(recorder, live), torch.no_grad()):
+                out = self._forward(*inputs)
+            self._note_out_shapes(observe_at, out)
         if choice is not None:
             choice[_ROUTE] = -2 - FALLBACK_REASONS.index(reason)
         return out
@@ -1058,7 +1120,8 @@ class GraphRunner:
     def _pool_bytes(self) -> int:
         if self._mode != "graph" or self._pool is None:
             return 0
-        return pool_bytes(self._pool, self._device.index)
+        own = [b.own_pool.pool for b in self._buckets.values() if b.own_pool is not None]
+        return sum(pool_bytes(pool, self._device.index) for pool in [self._pool, *own])
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes.

@@ -146,13 +146,20 @@ class CrossingRecorder(StagedWarmup):
     call of an eager run lines up with the ``k``-th of a capture), and for each
     whether a capture gives it a bridge (a returned tensor that is not one of
     the arguments exactly; never for a staged breakpoint run inline).
+
+    ``observe=True`` watches a plain eager run without changing it: staged
+    breakpoints run their breakable form, and ``bcg.live()`` may be read anywhere.
     """
 
     segment_label = "GraphRunner's eager run"
 
-    def __init__(self, on_crossing: Callable[[list[torch.Tensor], list[bool]], None] | None = None) -> None:
+    def __init__(self, on_crossing: Callable[[list[torch.Tensor], list[bool]], None] | None = None,
+                 observe: bool = False) -> None:
         super().__init__()
         self._on_crossing = on_crossing
+        self._observe = observe
+        if observe:
+            self.refuses_live_reads = False
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = self.run_breakpoint(spec.fn, args, kwargs)
@@ -162,7 +169,7 @@ class CrossingRecorder(StagedWarmup):
         return result
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = self.stager.record(self, spec, args, kwargs)
+        result = NOT_INLINE if self._observe else self.stager.record(self, spec, args, kwargs)
         if result is NOT_INLINE:
             return self.on_breakpoint(spec, args, kwargs)
         if self._on_crossing is not None:
@@ -295,8 +302,10 @@ class PaddingSanitizer:
         return dims
 
     @contextlib.contextmanager
-    def recording(self, n: int, static_ptrs: set[int], bridges_are_copies: bool) -> Iterator[CrossingRecorder]:
-        """The recorder of a warm-up (or probe) run at size ``n``, inside the block.
+    def recording(self, n: int, static_ptrs: set[int], bridges_are_copies: bool,
+                  observe: bool = False) -> Iterator[CrossingRecorder]:
+        """The recorder of a warm-up (or probe) run at size ``n``, inside the block
+        (``observe``: of a plain eager run, see :class:`CrossingRecorder`).
 
         A crossing tensor is eligible for zeroing when a capture gives it a
         bridge (``bridges_are_copies``: graph mode, a graph-owned copy, always
@@ -328,7 +337,7 @@ class PaddingSanitizer:
             ])
 
         with fresh:
-            yield CrossingRecorder(on_crossing)
+            yield CrossingRecorder(on_crossing, observe)
         self._patterns[n] = record
         self._schedules[n] = schedule
 

@@ -1045,7 +1045,8 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
                                  f"({tiers_of(args)} slots) and its breakable form in the one pool; "
                                  "pool_ratio_to_breakable compares with 'runner'")
     if getattr(args, "lifecycle", False) and varlen_usable(device):
-        out["lifecycle"] = _lifecycle(model, args, device)
+        out["lifecycle"] = _lifecycle(model, args, device, staged=True)
+        out["lifecycle_breakable"] = _lifecycle(model, args, device, staged=False)
     if (args.modes is None or "bcg-compile" in args.modes) and compile_usable(device) is None:
         with _cold_compile_caches():
             out["runner_compile"] = _ladder(model, args, device, model.compiled_regions(fresh=True))
@@ -1053,29 +1054,24 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
     return out
 
 
-def _lifecycle(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """:func:`bcg.bench.lifecycle.measure` over the ladder with the varlen attention as a breakpoint."""
-    buckets = bcg.runner.default_buckets(args.ladder_max)
-    x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
-    pos = torch.arange(buckets[-1], device=device)
-    lengths_for = functools.partial(bucket_lengths, args)
-
-    def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return model.forward(x, pos, attention_varlen, None)
+def _lifecycle(model: LlamaModel, args: argparse.Namespace, device: torch.device, staged: bool) -> dict[str, Any]:
+    """:func:`bcg.bench.lifecycle.measure` over the ladder's runner (``staged``: its staged form)."""
+    buckets, x, pos, forward, capture_live, live_for = _ladder_runner(model, args, device, None, staged)
 
     def make(**options: Any) -> bcg.GraphRunner:
-        return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos),
-                               capture_live=lambda n: Batch.build(lengths_for(n), device), progress=False, **options)
+        return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=capture_live,
+                               progress=False, **options)
 
     gen = torch.Generator(device=device).manual_seed(args.seed)  # not the default one: see docs/runner.md
 
     def batch(T: int) -> tuple[tuple[Any, ...], Any]:
-        lengths = lengths_for(T)
+        live = live_for(T)
         xs = torch.randn(T, model.hidden, device=device, dtype=model.dtype, generator=gen)
-        ps = torch.cat([torch.arange(n, device=device) for n in lengths])
-        return (xs, ps), Batch.build(lengths, device)
+        ps = torch.cat([torch.arange(n, device=device) for n in live.lengths])
+        return (xs, ps), live
 
-    return {"buckets": buckets, **lifecycle.measure(forward, make, batch, device, seed=args.seed)}
+    return {"buckets": buckets, "staged": staged,
+            **lifecycle.measure(forward, make, batch, device, seed=args.seed)}
 
 
 def _cold_compile_caches() -> Any:
@@ -1083,11 +1079,11 @@ def _cold_compile_caches() -> Any:
     return fresh_inductor_cache()
 
 
-def _ladder(
-    model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None, staged: bool = False
-) -> dict[str, Any]:
-    """The ladder over varlen attention; ``staged``: its staged form (host-only live metadata,
-    both forms per bucket)."""
+def _ladder_runner(model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None,
+                   staged: bool) -> tuple[list[int], torch.Tensor, torch.Tensor, Any, Any, Any]:
+    """The ladder's runner over varlen attention (``staged``: its staged form, host-only live
+    metadata and both forms per bucket): buckets, example inputs, forward, ``capture_live``, and
+    ``live_for(T)``, a call's live metadata."""
     buckets = bcg.runner.default_buckets(args.ladder_max)
     x = torch.randn(buckets[-1], model.hidden, device=device, dtype=model.dtype)
     pos = torch.arange(buckets[-1], device=device)
@@ -1105,6 +1101,15 @@ def _ladder(
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return model.forward(x, pos, bp, regions, expand_kv=expands_kv("varlen"))
 
+    return buckets, x, pos, forward, capture_live, live_for
+
+
+def _ladder(
+    model: LlamaModel, args: argparse.Namespace, device: torch.device, regions: Regions | None, staged: bool = False
+) -> dict[str, Any]:
+    """The ladder over varlen attention; ``staged``: its staged form (host-only live metadata,
+    both forms per bucket)."""
+    buckets, x, pos, forward, capture_live, live_for = _ladder_runner(model, args, device, regions, staged)
     section: dict[str, Any] = {"buckets": buckets}
     if regions is not None:
         # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
