@@ -296,15 +296,19 @@ class GraphRunner:
         with recording(recorder, live), torch.no_grad():
             return self._padded_forward(n, views)
 
-    def _run_recorded(self, n: int) -> Any:
-        """A warm-up (or probe) run at size ``n`` on example data: records how to sanitize, and shapes."""
+    def _run_recorded(self, n: int, observe: bool = False) -> Any:
+        """A warm-up (or probe) run at size ``n`` on example data: records how to sanitize, and shapes.
+
+        ``observe``: staged breakpoints run their breakable form (a probe run that only tells
+        which dims grow: see :class:`CrossingRecorder`)."""
         static, sanitizer = self._setup()
         views = static.load_example(n)
         sanitizer.set_rows(n)
         live = self._live_for(n)
         generator = torch.cuda.default_generators[self._device.index or 0] if self._mode == "graph" else None
         offset = generator.get_offset() if generator is not None else 0
-        with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph") as recorder:
+        with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph",
+                                 observe=observe) as recorder:
             with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
         if generator is not None:
@@ -412,7 +416,7 @@ class GraphRunner:
             size = next((b for b in self._buckets_list if 1 < b != first), largest)
         try:
             with lease.allocating() if lease is not None else contextlib.nullcontext():
-                self._run_recorded(size)
+                self._run_recorded(size, observe=lease is None)
         except Exception as exc:  # the buckets' own warm-ups report failures
             log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
 
