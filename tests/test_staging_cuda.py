@@ -182,6 +182,43 @@ class TieredStaging(Staging):
         return len(meta.lengths) <= staged.cu.shape[0] - 1
 
 
+def test_a_lazy_runners_first_bucket_gets_its_tiers_with_the_next_capture() -> None:
+    """lazy=True with staged tiers: the first bucket is captured without its tiers (its inline and
+    breakable forms serve every call, bit-identical to eager); the next bucket's capture captures it
+    again with them. Calls before and after replay bit-identically."""
+    staging = TieredStaging()
+    block = Block(_make_attention(staging), layers=2)
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        rng = random.Random(n)
+        return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
+
+    x0 = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    runner = bcg.GraphRunner(block, buckets=[32, 128], example_inputs=(x0,), capture_live=tiers, progress=False,
+                             lazy=True)
+    rng = random.Random(5)
+
+    def call(T: int, requests: int) -> None:
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        assert torch.equal(runner(x, live=meta), _eager(block, x, meta)), (T, meta.lengths)
+
+    all_forms = ["tier 0", "tier 1", "inline", "breakable"]
+    call(30, 3)  # eager; bucket 32 captured without its tiers
+    assert [f.name for f in runner.graph(32).forms] == ["inline", "breakable"]
+    for requests in (1, 2, 4, 5):
+        call(rng.randint(20, 32), requests)
+    assert runner.stats()["tier_replays"] == 0 and runner.stats()["inline_replays"] == 3
+    call(100, 2)  # eager; bucket 128 captured, and bucket 32 again, with its tiers
+    assert [f.name for f in runner.graph(32).forms] == all_forms == [f.name for f in runner.graph(128).forms]
+    for n in (32, 128):
+        for requests in (1, 2, 4, 5):
+            call(rng.randint(n - 10, n), requests)
+    stats = runner.stats()
+    assert stats["tier_replays"] == 4 and stats["fallbacks"]["not_captured_yet"] == 2
+    runner.reset()
+
+
 def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> None:
     """Per bucket, tiers of 1 and 2 slots before the bucket's own 4: a call runs the first that
     holds its requests (1, 2, 4 slots, or the breakable form past 4), each bit-identical to eager,

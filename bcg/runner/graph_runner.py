@@ -460,9 +460,9 @@ class GraphRunner:
         """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held).
 
         The first bucket, unless it is the largest, goes into a pool of its own, with no run at
-        the largest size before it (the first call returns sooner). The next lazy capture lays
-        the runner's pool out for the largest bucket, captures its bucket, and captures the
-        first one again, into that pool (its own is freed)."""
+        the largest size before it and without its staged tiers (the first call returns sooner).
+        The next lazy capture lays the runner's pool out for the largest bucket, captures its
+        bucket, and captures the first one again, whole, into that pool (its own is freed)."""
         with self._capturing(), self._on_device():
             t_start = time.perf_counter()
             again = self._free_own_pools()
@@ -624,7 +624,10 @@ class GraphRunner:
             # inline form's outputs are held; a replay of it copies its outputs into those.
             self._capture_graph(graph, n, self._live_for(n), form="breakable", pool=pool,
                                 release=membership.release)
-            tier_lives = self._lives_for(n)[:-1]
+            # A bucket in a pool of its own (a lazy runner's first) is captured again at the next
+            # capture: its tiers (calls with fewer requests run faster) come then, not before
+            # the first result.
+            tier_lives = self._lives_for(n)[:-1] if bucket.own_pool is None else ()
             if tier_lives and self._barrier is not None:
                 # Every rank has the bucket's graph and breakable form before any tier's eager
                 # warm-up (with collectives) runs: a rank that failed after its last vote cast
