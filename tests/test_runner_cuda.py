@@ -130,6 +130,29 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
     runner.reset()
 
 
+def test_capture_after_a_lazy_call_captures_the_first_bucket_again_into_the_runners_pool() -> None:
+    """A lazy runner's first bucket, in a pool of its own, is captured again by capture() (still
+    counted as captured by its call), into the one pool with the rest; its own pool is freed, and
+    every bucket replays bit-identically to eager on the padded input."""
+    model = _model()
+    buckets = [16, 32, 64]
+    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+                             progress=False, lazy=True)
+    gen = torch.Generator().manual_seed(4)
+    x, pos, live = _batch(30, gen)
+    runner(x, pos, live=live)
+    own = runner.graph(32).pool()
+    assert own != runner.pool() and pool_bytes(own) > 0
+    runner.capture()
+    assert runner.stats()["captures"] == {"capture()": 2, "lazy": 1, "background": 0}
+    assert all(runner.graph(n).pool() == runner.pool() for n in buckets) and pool_bytes(own) == 0
+    for n in buckets:
+        x, pos, live = _batch(n - 2, gen)
+        assert torch.equal(runner(x, pos, live=live), _padded_eager(model, x, live, n))
+    runner.reset()
+
+
 def _eager_calls(runner: bcg.GraphRunner) -> int:
     """Calls a background capture served eagerly (their bucket not captured yet, or busy)."""
     fallbacks = runner.stats()["fallbacks"]

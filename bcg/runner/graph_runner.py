@@ -422,11 +422,11 @@ class GraphRunner:
 
     def _free_own_pools(self) -> list[_Bucket]:
         """Free the buckets captured into pools of their own (they are to be captured again, into
-        the runner's pool) and return them."""
+        the runner's pool, keeping the trigger that first captured them) and return them."""
         freed = [b for b in self._buckets.values() if b.own_pool is not None]
         for bucket in freed:
             bucket.free_graphs()
-            bucket.captured, bucket.trigger = False, None
+            bucket.captured = False
         return freed
 
     def _capture_one(self, bucket: _Bucket, trigger: str) -> None:
@@ -440,7 +440,7 @@ class GraphRunner:
             self._capture_bucket(bucket)
             if vote is not None and not vote.finish():
                 raise CaptureError(f"another rank failed to capture bucket {n}: every rank runs it eagerly")
-            bucket.trigger = trigger
+            bucket.trigger = bucket.trigger or trigger  # (a bucket captured again keeps the first)
         except Exception as exc:
             if vote is not None:
                 vote.fail()
