@@ -451,6 +451,24 @@ def test_a_lazy_runners_first_call_runs_forward_as_it_is() -> None:
     assert runner.stats()["fallbacks"]["capture_failed"] == 1
 
 
+def test_a_lazy_runners_watched_first_call_survives_what_it_cannot_record() -> None:
+    """A tensor crossing a breakpoint that the watching cannot record (a sparse one: no storage)
+    stops the watching, not the call; the bucket's capture, which must record it, fails."""
+    @bcg.breakpoint
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.to_sparse()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y, s = split(x)
+        return y + s.to_dense()
+
+    runner = _runner(forward, [8], (torch.randn(3, HIDDEN),), lazy=True)
+    x = torch.randn(5, HIDDEN)
+    torch.testing.assert_close(runner(x), x * 3)
+    assert 8 in runner.failed_buckets
+    torch.testing.assert_close(runner(x[:4]), x[:4] * 3)
+
+
 def test_sanitizing_follows_the_dims_that_grow_with_the_bucket() -> None:
     """A by-reference cache whose size happens to equal a bucket is left alone, and a
     ``[heads, T, dim]`` tensor at a bucket equal to ``heads`` is zeroed along T only."""

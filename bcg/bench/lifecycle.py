@@ -81,8 +81,8 @@ def measure(
     # the lazy calls' buckets in a random order, each call of a size in its bucket's range
     rng = random.Random(seed)
     order = rng.sample(buckets, len(buckets))
-    sizes = [rng.randint(prev + 1, n) for n, prev in
-             ((n, max([b for b in buckets if b < n], default=0)) for n in order)]
+    sizes = [rng.randint(prev + 1, n - 1) if n - 1 > prev else n for n, prev in
+             ((n, max([b for b in buckets if b < n], default=0)) for n in order)]  # (padded: T < n)
     runner.capture()
     call(runner, mid)
     first = time.perf_counter() - t0
@@ -179,6 +179,7 @@ def measure(
     for lazy in (report["lazy"], report["lazy_at_bucket_size"]):
         lazy["first_call_eager_s"] = 1 / eager_rate_at(lazy["first_T"])
         lazy["eager_plus_one_capture_s"] = lazy["first_call_eager_s"] + lazy["first_bucket_capture_s"]
+        lazy["capture_all_bucket_s"] = bucket_capture_s
         lazy["eager_plus_capture_all_bucket_s"] = lazy["first_call_eager_s"] + bucket_capture_s
     rate = report["background"]["calls_per_s_during_capture"]
     report["background"]["rate_ratio_to_eager"] = rate / eager_rate if rate else None

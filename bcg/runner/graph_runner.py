@@ -115,9 +115,9 @@ class GraphRunner:
     ``capture_live``: what :func:`bcg.live` returns during each bucket's
     warm-up and capture; a callable is called with the size. Give a callable
     whenever live metadata depends on the size (request lengths do): the
-    forward also runs once at a probe size that is not a bucket, to learn
-    which dims grow with the size, and metadata for another size would make
-    attention read out of bounds. It may return a :class:`bcg.StagedTiers`:
+    forward also runs once at another size (a probe run), to learn which dims
+    grow with the size, and metadata for another size would make attention
+    read out of bounds. It may return a :class:`bcg.StagedTiers`:
     the bucket then also gets one inline form per earlier value, for calls
     whose metadata fits smaller static bounds (see there).
     ``max_padding_ratio``: run eagerly when ``(bucket - T) / bucket`` exceeds
@@ -134,8 +134,9 @@ class GraphRunner:
     captured yet runs ``forward`` eagerly (unpadded, as the other fallbacks), then
     captures that bucket before it returns; later calls replay it
     (``stats()["captures"]`` counts captures by trigger). The first bucket
-    may be captured again at the next capture, into the runner's pool
-    (``docs/runner.md``). ``capture()`` then captures the buckets not captured yet. ``capture(background=True)``
+    is captured into a pool of its own and again, into the runner's pool, at
+    the next capture (``docs/runner.md``: outputs of its graph are invalid
+    then). ``capture()`` then captures the buckets not captured yet. ``capture(background=True)``
     captures on a thread of its own while calls are served (see there).
     ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
@@ -341,7 +342,9 @@ class GraphRunner:
         pool size. A bucket whose warm-up or capture raises is logged and
         skipped (see the module documentation). In eager mode each bucket is
         run once instead. With ``lazy=True``, captures the buckets that calls
-        have not captured yet. Returns the runner.
+        have not captured yet, and the first lazy bucket again, into the
+        runner's pool (outputs its graph returned are invalid after this).
+        Returns the runner.
 
         Arguments:
             background: return at once and capture on a thread of its own
@@ -412,8 +415,9 @@ class GraphRunner:
             size = largest
         elif first != self._probe_size:
             size = self._probe_size
-        else:  # another size than the bucket's own
-            size = next((b for b in self._buckets_list if 1 < b != first), largest)
+        else:  # another size than the bucket's own, below the largest (first < largest <= rows)
+            assert first is not None
+            size = first // 2 if first // 2 > 1 else first + 1
         try:
             with lease.allocating() if lease is not None else contextlib.nullcontext():
                 self._run_recorded(size, observe=lease is None)
@@ -1023,7 +1027,8 @@ class GraphRunner:
                                       observe=True) as recorder,
                   recording(recorder, live), torch.no_grad()):
                 out = self._forward(*inputs)
-            self._note_out_shapes(observe_at, out)
+            if recorder.failure is None:  # (else a probe run tells the capture instead)
+                self._note_out_shapes(observe_at, out)
         if choice is not None:
             choice[_ROUTE] = -2 - FALLBACK_REASONS.index(reason)
         return out
@@ -1114,7 +1119,8 @@ class GraphRunner:
         return pytree.tree_unflatten(list(b.leaves), b.spec)
 
     def pool(self) -> PoolHandle:
-        """The private pool every bucket's graph lives in; pass it as ``pool=`` to share it."""
+        """The private pool the buckets' graphs live in (a lazy runner's first bucket, until the next
+        capture, in one of its own); pass it as ``pool=`` to share it."""
         if self._pool is None:
             raise ReplayError("this GraphRunner has no pool yet: capture it first (graph mode)")
         return self._pool
@@ -1127,7 +1133,8 @@ class GraphRunner:
     def _pool_bytes(self) -> int:
         if self._mode != "graph" or self._pool is None:
             return 0
-        own = [b.own_pool.pool for b in self._buckets.values() if b.own_pool is not None]
+        leases = [b.own_pool for b in self._buckets.values()]  # (read once: a capture may clear one)
+        own = [lease.pool for lease in leases if lease is not None]
         return sum(pool_bytes(pool, self._device.index) for pool in [self._pool, *own])
 
     def stats(self) -> dict[str, Any]:
@@ -1137,7 +1144,7 @@ class GraphRunner:
         ``captures`` ({trigger: buckets captured by it}: ``"capture()"``, ``"lazy"``,
         ``"background"``), ``capturing`` (a background capture runs now),
         ``pool_bytes`` (the shared pool: every bucket, and any other runner
-        sharing it), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
+        sharing it; a lazy runner's first bucket's own pool too), ``largest_alone_pool_bytes`` and ``pool_ratio`` (after
         :meth:`measure_largest_alone`), ``fallbacks`` ({reason: calls run
         eagerly}), ``replays`` ({bucket: calls}), ``calls``, ``graph_calls``,
         ``padding_ratio`` (padded rows / bucket rows over graph calls),

@@ -96,17 +96,25 @@ class _DispatchStorages(TorchDispatchMode):
         return True
 
     def is_fresh(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.storages
+        return _storage_ptr(t) in self.storages
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not getattr(func, "is_view", False):
-            inputs = {x.untyped_storage().data_ptr() for x in tensor_leaves((args, kwargs))}
+            inputs = {_storage_ptr(x) for x in tensor_leaves((args, kwargs))}
             for x in tensor_leaves(out):
-                ptr = x.untyped_storage().data_ptr()
+                ptr = _storage_ptr(x)
                 if ptr and ptr not in inputs:
                     self.storages.add(ptr)
         return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 for a tensor without one (sparse, some subclasses)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 class _AllocatorStorages:
@@ -148,7 +156,8 @@ class CrossingRecorder(StagedWarmup):
     the arguments exactly; never for a staged breakpoint run inline).
 
     ``observe=True`` watches a plain eager run without changing it: staged
-    breakpoints run their breakable form, and ``bcg.live()`` may be read anywhere.
+    breakpoints run their breakable form, ``bcg.live()`` may be read anywhere,
+    and a crossing it cannot record stops the watching (``failure``), not the run.
     """
 
     segment_label = "GraphRunner's eager run"
@@ -158,31 +167,42 @@ class CrossingRecorder(StagedWarmup):
         super().__init__()
         self._on_crossing = on_crossing
         self._observe = observe
+        self.failure: Exception | None = None  # observe=True: why the watching stopped
         if observe:
             self.refuses_live_reads = False
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = self.run_breakpoint(spec.fn, args, kwargs)
-        if self._on_crossing is not None:
-            keys = argument_keys(args, kwargs)
-            self._report(spec, result, args, kwargs, lambda t: in_place_position(t, keys) is None)
+        self._report(spec, result, args, kwargs, None)
         return result
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = NOT_INLINE if self._observe else self.stager.record(self, spec, args, kwargs)
         if result is NOT_INLINE:
             return self.on_breakpoint(spec, args, kwargs)
-        if self._on_crossing is not None:
-            self._report(spec, result, args, kwargs, lambda t: False)
+        self._report(spec, result, args, kwargs, lambda t: False)
         return result
 
     def _report(self, spec: BreakpointSpec, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                bridged: Callable[[torch.Tensor], bool]) -> None:
-        assert self._on_crossing is not None
-        results = tensor_leaves(result)
-        bridges = {id(t) for t in results if bridged(t)}
-        crossing = crossing_tensors(results, spec, args, kwargs)
-        self._on_crossing(crossing, [id(t) in bridges for t in crossing])
+                bridged: Callable[[torch.Tensor], bool] | None) -> None:
+        """Pass the crossing tensors to ``on_crossing``; ``bridged``: which results a capture gives a
+        bridge (``None``: those that are not arguments changed in place)."""
+        on_crossing = self._on_crossing
+        if on_crossing is None:  # (none, or an observation that stopped)
+            return
+        try:
+            if bridged is None:
+                keys = argument_keys(args, kwargs)
+                bridged = lambda t: in_place_position(t, keys) is None  # noqa: E731
+            results = tensor_leaves(result)
+            bridges = {id(t) for t in results if bridged(t)}
+            crossing = crossing_tensors(results, spec, args, kwargs)
+            on_crossing(crossing, [id(t) in bridges for t in crossing])
+        except Exception as exc:
+            if not self._observe:
+                raise
+            self._on_crossing, self.failure = None, exc
+            log.debug("bcg.GraphRunner: stopped watching an eager run at breakpoint %s: %r", spec.name, exc)
 
 
 # -- the sanitizer --------------------------------------------------------------------------------
@@ -337,9 +357,11 @@ class PaddingSanitizer:
             ])
 
         with fresh:
-            yield CrossingRecorder(on_crossing, observe)
-        self._patterns[n] = record
-        self._schedules[n] = schedule
+            recorder = CrossingRecorder(on_crossing, observe)
+            yield recorder
+        if recorder.failure is None:
+            self._patterns[n] = record
+            self._schedules[n] = schedule
 
     def hook(self, n: int) -> Callable[[list[torch.Tensor]], None] | None:
         """An ``after_breakpoint`` hook applying the schedule of the warm-up at size ``n``.
