@@ -132,8 +132,9 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
 
 def test_capture_after_a_lazy_call_captures_the_first_bucket_again_into_the_runners_pool() -> None:
     """A lazy runner's first bucket, in a pool of its own, is captured again by capture() (still
-    counted as captured by its call), into the one pool with the rest; its own pool is freed, and
-    every bucket replays bit-identically to eager on the padded input."""
+    counted as captured by its call), into the one pool with the rest; its own pool is freed at the
+    next call (the last call's outputs stay valid until then), and every bucket replays
+    bit-identically to eager on the padded input."""
     model = _model()
     buckets = [16, 32, 64]
     x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
@@ -144,12 +145,41 @@ def test_capture_after_a_lazy_call_captures_the_first_bucket_again_into_the_runn
     runner(x, pos, live=live)
     own = runner.graph(32).pool()
     assert own != runner.pool() and pool_bytes(own) > 0
+    x, pos, live = _batch(29, gen)
+    view = runner(x, pos, live=live)  # a view into the first bucket's own pool
+    expected = view.clone()
     runner.capture()
     assert runner.stats()["captures"] == {"capture()": 2, "lazy": 1, "background": 0}
-    assert all(runner.graph(n).pool() == runner.pool() for n in buckets) and pool_bytes(own) == 0
+    assert all(runner.graph(n).pool() == runner.pool() for n in buckets)
+    assert torch.equal(view, expected) and pool_bytes(own) > 0  # valid until the next call
     for n in buckets:
         x, pos, live = _batch(n - 2, gen)
         assert torch.equal(runner(x, pos, live=live), _padded_eager(model, x, live, n))
+    assert pool_bytes(own) == 0  # freed at the next call
+    runner.reset()
+
+
+def test_a_background_capture_after_a_lazy_call_captures_the_first_bucket_again_in_its_turn() -> None:
+    """capture(background=True) on a lazy runner whose first bucket is in a pool of its own: that
+    bucket is captured again in its turn, into the runner's pool (its own freed at the next call),
+    still counted as captured by its call; every bucket then replays bit-identically."""
+    model = _model()
+    buckets = [16, 32, 64]
+    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+                             progress=False, lazy=True)
+    gen = torch.Generator().manual_seed(6)
+    x, pos, live = _batch(20, gen)
+    runner(x, pos, live=live)
+    own = runner.graph(32).pool()
+    runner.capture(background=True)
+    assert runner.wait_captured(60)
+    assert runner.stats()["captures"] == {"capture()": 0, "lazy": 1, "background": 2}
+    assert all(runner.graph(n).pool() == runner.pool() for n in buckets)
+    for n in buckets:
+        x, pos, live = _batch(n - 1, gen)
+        assert torch.equal(runner(x, pos, live=live), _padded_eager(model, x, live, n))
+    assert pool_bytes(own) == 0
     runner.reset()
 
 

@@ -135,8 +135,8 @@ class GraphRunner:
     captures that bucket before it returns; later calls replay it
     (``stats()["captures"]`` counts captures by trigger). The first bucket
     is captured into a pool of its own and again, into the runner's pool, at
-    the next capture (``docs/runner.md``: outputs of its graph are invalid
-    then). ``capture()`` then captures the buckets not captured yet. ``capture(background=True)``
+    the next capture (``docs/runner.md``). ``capture()`` then captures the
+    buckets not captured yet. ``capture(background=True)``
     captures on a thread of its own while calls are served (see there).
     ``ranks``: a :class:`bcg.distributed.RankAgreement` (multi-GPU): the ranks vote through
     each bucket's capture, so a failure on one rank fails the bucket on all;
@@ -236,6 +236,7 @@ class GraphRunner:
 
     def _clear_state(self) -> None:
         self._buckets = {b: _Bucket(b) for b in self._buckets_list}
+        self._retired: list[_Bucket] = []  # graphs in pools of their own, freed at the next call
         self._captured = False
         self._out_shapes: dict[int, tuple[Any, list[tuple[int, ...] | None]]] = {}
         self._capture_total_s = 0.0
@@ -343,8 +344,7 @@ class GraphRunner:
         skipped (see the module documentation). In eager mode each bucket is
         run once instead. With ``lazy=True``, captures the buckets that calls
         have not captured yet, and the first lazy bucket again, into the
-        runner's pool (outputs its graph returned are invalid after this).
-        Returns the runner.
+        runner's pool. Returns the runner.
 
         Arguments:
             background: return at once and capture on a thread of its own
@@ -374,7 +374,7 @@ class GraphRunner:
             if self._captured and not self._lazy and not self._uncaptured():
                 raise BcgError("this GraphRunner is already captured: call reset() first to capture again")
             t_start = time.perf_counter()
-            self._free_own_pools()  # (recaptured below, into the runner's pool)
+            self._free_own_pools(keep=True)  # (captured again below, into the runner's pool)
             self._prepare_captures()
             from tqdm import tqdm
 
@@ -424,14 +424,27 @@ class GraphRunner:
         except Exception as exc:  # the buckets' own warm-ups report failures
             log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
 
-    def _free_own_pools(self) -> list[_Bucket]:
-        """Free the buckets captured into pools of their own (they are to be captured again, into
-        the runner's pool, keeping the trigger that first captured them) and return them."""
+    def _free_own_pools(self, keep: bool = False) -> list[_Bucket]:
+        """Take the buckets captured into pools of their own out of them, to be captured again into
+        the runner's pool (keeping the trigger that first captured them), and return them.
+
+        Their graphs and pools are freed now (inside a call), or, with ``keep``, at the next call
+        or ``reset()``: the outputs the last call returned stay valid until the next call."""
         freed = [b for b in self._buckets.values() if b.own_pool is not None]
         for bucket in freed:
-            bucket.free_graphs()
+            if keep:
+                self._retired.append(_Bucket(bucket.size, graph=bucket.graph, own_pool=bucket.own_pool))
+                bucket.graph, bucket.own_pool, bucket.leaves = None, None, None
+                bucket.sliced.clear()
+            else:
+                bucket.free_graphs()
             bucket.captured = False
         return freed
+
+    def _free_retired(self) -> None:
+        """Free what :meth:`_free_own_pools` kept (the call lock is held)."""
+        while self._retired:
+            self._retired.pop().free_graphs()
 
     def _capture_one(self, bucket: _Bucket, trigger: str) -> None:
         """Warm up and capture ``bucket`` (under the capture lock); a failure is logged and the
@@ -518,7 +531,6 @@ class GraphRunner:
                 calls, t_step = self._lock.calls, time.perf_counter()
                 with self._lock.capture_step(), self._capturing():
                     self._order_with_calls()
-                    self._free_own_pools()  # (captured again in their turn, into the runner's pool)
                     with static.preserved([self._probe_size]):
                         self._prepare_captures()
                     self._order_with_calls()
@@ -532,8 +544,10 @@ class GraphRunner:
                     calls, t_step = self._lock.calls, time.perf_counter()
                     with self._lock.capture_step(), self._capturing():
                         bucket = self._buckets[n]
-                        if bucket.captured or bucket.failure is not None:
+                        if (bucket.captured and bucket.own_pool is None) or bucket.failure is not None:
                             continue  # (a lazy call captured it meanwhile)
+                        if bucket.own_pool is not None:  # served by its graph until now, captured again
+                            self._free_own_pools(keep=True)
                         self._order_with_calls()
                         mode, self._capture_error_mode = self._capture_error_mode, "thread_local"
                         try:
@@ -802,6 +816,8 @@ class GraphRunner:
 
     def _locked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None) -> Any:
         with self._lock.for_caller():
+            if self._retired:
+                self._free_retired()
             if not self._captured:
                 if not self._lazy:
                     raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")
@@ -1133,7 +1149,7 @@ class GraphRunner:
     def _pool_bytes(self) -> int:
         if self._mode != "graph" or self._pool is None:
             return 0
-        leases = [b.own_pool for b in self._buckets.values()]  # (read once: a capture may clear one)
+        leases = [b.own_pool for b in [*self._buckets.values(), *self._retired]]  # (read once: a capture may clear one)
         own = [lease.pool for lease in leases if lease is not None]
         return sum(pool_bytes(pool, self._device.index) for pool in [self._pool, *own])
 
@@ -1237,6 +1253,7 @@ class GraphRunner:
         with self._lock.lock:
             for bucket in self._buckets.values():
                 bucket.free_graphs()
+            self._free_retired()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None
