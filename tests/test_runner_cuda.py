@@ -151,7 +151,8 @@ def test_capture_after_a_lazy_call_captures_the_first_bucket_again_into_the_runn
     runner.capture()
     assert runner.stats()["captures"] == {"capture()": 2, "lazy": 1, "background": 0}
     assert all(runner.graph(n).pool() == runner.pool() for n in buckets)
-    assert torch.equal(view, expected) and pool_bytes(own) > 0  # valid until the next call
+    assert pool_bytes(own) > 0  # (first: a freed pool would make the next line read freed memory)
+    assert torch.equal(view, expected)  # valid until the next call
     for n in buckets:
         x, pos, live = _batch(n - 2, gen)
         assert torch.equal(runner(x, pos, live=live), _padded_eager(model, x, live, n))
@@ -172,8 +173,13 @@ def test_a_background_capture_after_a_lazy_call_captures_the_first_bucket_again_
     x, pos, live = _batch(20, gen)
     runner(x, pos, live=live)
     own = runner.graph(32).pool()
+    x, pos, live = _batch(21, gen)
+    view = runner(x, pos, live=live)  # a view into the first bucket's own pool
+    expected = view.clone()
     runner.capture(background=True)
     assert runner.wait_captured(60)
+    assert pool_bytes(own) > 0  # kept until the next call (first: see the test above)
+    assert torch.equal(view, expected)
     assert runner.stats()["captures"] == {"capture()": 0, "lazy": 1, "background": 2}
     assert all(runner.graph(n).pool() == runner.pool() for n in buckets)
     for n in buckets:
