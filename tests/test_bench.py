@@ -588,6 +588,7 @@ def test_lifecycle_report_on_a_cpu_runner() -> None:
     assert report["background"]["calls_during_capture"] >= 1
     assert report["background"]["eager_calls_per_s"] > 0
     assert report["sleep_wake"]["freed_mib"] is None and report["capture_all"]["pool_mib"] is None
+    assert report["sleep_wake"]["freed_of_taken"] is None
     assert all(not r.captured_buckets for r in made)  # every runner was reset
 
 

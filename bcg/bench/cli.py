@@ -608,7 +608,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
             f"capture {a['capture_s']:.2f} / {z['capture_s']:.2f} / {bg['capture_s']:.2f} s; pool "
             f"{a['pool_ratio_largest_first'] or 0:.3f}x the largest bucket largest first, "
             f"{z['pool_ratio_random_order'] or 0:.3f}x in a random order; reset() frees "
-            f"{life['sleep_wake']['freed_mib'] or 0:.0f} MiB, waking takes {life['sleep_wake']['wake_to_first_result_s']:.2f} s; "
+            f"{life['sleep_wake']['freed_mib'] or 0:.0f} MiB ({life['sleep_wake']['freed_of_taken'] or 0:.1%} of what the "
+            f"capture took), waking takes {life['sleep_wake']['wake_to_first_result_s']:.2f} s; "
             f"{bg['calls_per_s_during_capture'] or 0:.1f} calls/s during the background capture "
             f"({bg['rate_ratio_to_eager'] or 0:.2f}x eager)"
         )

@@ -46,8 +46,13 @@ def measure(
             torch.cuda.synchronize(device)
 
     def reserved() -> float | None:
+        """``memory_reserved()`` with no cached free block: a capture empties the cache as it
+        starts (as ``torch.cuda.graph`` does), so blocks cached before it must not count."""
+        if not cuda:
+            return None
         sync()
-        return torch.cuda.memory_reserved(device) / MiB if cuda else None
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(device) / MiB
 
     def call(runner: bcg.GraphRunner, T: int) -> None:
         inputs, live = batch(T)
@@ -107,6 +112,8 @@ def measure(
         "reserved_mib_captured": captured,
         "reserved_mib_after_reset": slept,
         "freed_mib": captured - slept if captured is not None and slept is not None else None,
+        "freed_of_taken": (captured - slept) / (captured - before)
+        if captured is not None and slept is not None and before is not None and captured > before else None,
         "wake_to_first_result_s": time.perf_counter() - t0,
     }
     runner.reset()
@@ -192,8 +199,9 @@ def measure(
         "bucket order[i]; lazy_at_bucket_size: a first call of order[0] rows; one eager forward of "
         "calls_T rows runs before the lazy runners are made); "
         "capture_s: the runner's capture seconds (warm-ups included; background: on its thread); "
-        "pool ratios against the largest bucket captured alone; freed_mib: memory_reserved() before "
-        "and after reset(); background: calls of T = calls_T made back to back while the ladder "
+        "pool ratios against the largest bucket captured alone; reserved_mib_*: memory_reserved() "
+        "after empty_cache(); freed_mib: that before and after reset(), freed_of_taken: against what "
+        "the capture took; background: calls of T = calls_T made back to back while the ladder "
         "captured, against the eager forward's rate measured after"
     )
     return report

@@ -20,6 +20,7 @@ import torch
 import bcg
 from bcg.bench.case import Case
 from bcg.bench.registry import (
+    MODES,
     BuildContext,
     Built,
     NotApplicable,
@@ -307,10 +308,20 @@ def build_floor(case: Case, ctx: BuildContext) -> Built:
     return _floor(case, ctx, compiled=False)
 
 
-@register_mode("floor-again", help="a second capture of the floor, timed as its own mode: its paired ratio "
-               "to the floor is the run's A/A noise (what a ratio can be off by with nothing different)")
-def build_floor_again(case: Case, ctx: BuildContext) -> Built:
-    return _floor(case, ctx, compiled=False)
+def _again(of: str) -> None:
+    """Register ``<of>-again``: mode ``of`` built a second time (its own compile and capture) and
+    timed as a mode of its own: its paired ratio to ``of`` is the run's A/A noise for ``of``."""
+    spec = MODES[of]
+
+    def build(case: Case, ctx: BuildContext) -> Built:
+        return spec.build(case, ctx)
+
+    register_mode(f"{of}-again", help=f"{of} built and captured a second time, timed as its own mode: its paired "
+                  f"ratio to {of} is the run's A/A noise (what a ratio can be off by with nothing different)",
+                  available=spec.available, compiled=spec.compiled)(build)
+
+
+_again("floor")
 
 
 @register_mode("bcg", help="bcg.GraphRunner (one bucket = T), default executor")
@@ -356,15 +367,7 @@ def build_floor_compile(case: Case, ctx: BuildContext) -> Built:
     return _floor(case, ctx, compiled=True)
 
 
-@register_mode(
-    "floor-compile-again",
-    help="a second capture of floor-compile, timed as its own mode: its paired ratio to floor-compile "
-    "is the compiled modes' A/A noise",
-    available=_compile_reason,
-    compiled=True,
-)
-def build_floor_compile_again(case: Case, ctx: BuildContext) -> Built:
-    return _floor(case, ctx, compiled=True)
+_again("floor-compile")
 
 
 @register_mode(
@@ -410,15 +413,7 @@ def build_floor_fullcompile(case: Case, ctx: BuildContext) -> Built:
     return _floor(case, ctx, compiled="full", fn=forward_of(case, case.bp_frozen, "full"))
 
 
-@register_mode(
-    "floor-fullcompile-again",
-    help="a second floor-fullcompile (its own compile and capture), timed as its own mode: its paired ratio "
-    "to floor-fullcompile is the whole-compiled modes' A/A noise",
-    available=_compile_reason,
-    compiled="full",
-)
-def build_floor_fullcompile_again(case: Case, ctx: BuildContext) -> Built:
-    return build_floor_fullcompile(case, ctx)
+_again("floor-fullcompile")
 
 
 @register_mode(

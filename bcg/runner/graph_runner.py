@@ -309,14 +309,18 @@ class GraphRunner:
         live = self._live_for(n)
         generator = torch.cuda.default_generators[self._device.index or 0] if self._mode == "graph" else None
         offset = generator.get_offset() if generator is not None else 0
-        with sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph",
-                                 observe=observe) as recorder:
+        with self._recording(n, observe) as recorder:
             with self._on_capture_stream() if self._mode == "graph" else contextlib.nullcontext():
                 out = self._run_eager(n, views, live, recorder)
         if generator is not None:
             self._draws_rng = bool(self._draws_rng) or generator.get_offset() != offset
         self._note_out_shapes(n, out)
         return out
+
+    def _recording(self, n: int, observe: bool) -> Any:
+        """The sanitizer's recording of an eager run at size ``n`` (see :meth:`PaddingSanitizer.recording`)."""
+        static, sanitizer = self._setup()
+        return sanitizer.recording(n, static.static_ptrs, bridges_are_copies=self._mode == "graph", observe=observe)
 
     def _note_out_shapes(self, n: int, out: Any) -> None:
         leaves, spec = pytree.tree_flatten(out)
@@ -1038,10 +1042,7 @@ class GraphRunner:
             with torch.no_grad(), live_scope(live):
                 out = self._forward(*inputs)
         else:
-            static, sanitizer = self._setup()
-            with (sanitizer.recording(observe_at, static.static_ptrs, bridges_are_copies=self._mode == "graph",
-                                      observe=True) as recorder,
-                  recording(recorder, live), torch.no_grad()):
+            with self._recording(observe_at, observe=True) as recorder, recording(recorder, live), torch.no_grad():
                 out = self._forward(*inputs)
             if recorder.failure is None:  # (else a probe run tells the capture instead)
                 self._note_out_shapes(observe_at, out)
