@@ -390,17 +390,22 @@ class _CrossRow(torch.nn.Module):
         return self.w(out + out.sum(0, keepdim=True) / 64)
 
 
+def _assert_call_equals_eager_without_nan(runner: bcg.GraphRunner, model: torch.nn.Module, T: int) -> None:
+    """A call of ``T`` fresh random rows (live metadata ``T``) equals ``model`` run eagerly, with no NaN."""
+    x = torch.randn(T, HIDDEN)
+    y = runner(x, live=T)
+    with bcg.live_scope(T), torch.no_grad():
+        expected = model(x)
+    assert not torch.isnan(y).any()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_crossing_breakpoints_are_zeroed_so_padding_never_leaks() -> None:
     model = _CrossRow()
     runner = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n)
     runner.capture()
     for T in (1, 5, 8, 9, 31, 32):
-        x = torch.randn(T, HIDDEN)
-        y = runner(x, live=T)
-        with bcg.live_scope(T), torch.no_grad():
-            expected = model(x)
-        assert not torch.isnan(y).any()
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        _assert_call_equals_eager_without_nan(runner, model, T)
         full = runner.bucket_outputs(runner.bucket_for(T))
         assert not torch.isnan(full).any()  # padded rows too
 
@@ -426,12 +431,7 @@ def test_a_lazy_runners_first_call_tells_its_capture_which_rows_to_zero(first_T:
 
     runner = _runner(forward, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, lazy=True)
     for k, T in enumerate((first_T, 3, 7, 20, 1)):
-        x = torch.randn(T, HIDDEN)
-        y = runner(x, live=T)
-        with bcg.live_scope(T), torch.no_grad():
-            expected = model(x)
-        assert not torch.isnan(y).any()
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        _assert_call_equals_eager_without_nan(runner, model, T)
         if k == 0:  # the call's run and the warm-up, and at T = 8 a probe run
             assert runs[0] == (2 if first_T != 8 else 3)
     assert runner.captured_buckets == [8, 32] and runner.stats()["fallbacks"]["not_captured_yet"] == 2
