@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -130,24 +131,29 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
     runner.reset()
 
 
+def _lazy_runner_with_a_view_into_its_own_pool(model: torch.nn.Module, buckets: list[int],
+                                               gen: torch.Generator) -> tuple[bcg.GraphRunner, Any, torch.Tensor, torch.Tensor]:
+    """A lazy runner after two calls in bucket 32 (captured by the first, into a pool of its own):
+    the runner, that pool, the second call's output (a view into it) and a copy of it."""
+    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+                             progress=False, lazy=True)
+    x, pos, live = _batch(int(torch.randint(17, 31, (1,), generator=gen)), gen)
+    runner(x, pos, live=live)
+    own = runner.graph(32).pool()
+    assert own != runner.pool() and pool_bytes(own) > 0
+    x, pos, live = _batch(int(torch.randint(17, 31, (1,), generator=gen)), gen)
+    view = runner(x, pos, live=live)
+    return runner, own, view, view.clone()
+
+
 def test_capture_after_a_lazy_call_captures_the_first_bucket_again_into_the_runners_pool() -> None:
     """A lazy runner's first bucket, in a pool of its own, is captured again by capture() (still
     counted as captured by its call), into the one pool with the rest; its own pool is freed at the
     next call (the last call's outputs stay valid until then), and every bucket replays
     bit-identically to eager on the padded input."""
-    model = _model()
-    buckets = [16, 32, 64]
-    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
-                             progress=False, lazy=True)
-    gen = torch.Generator().manual_seed(4)
-    x, pos, live = _batch(30, gen)
-    runner(x, pos, live=live)
-    own = runner.graph(32).pool()
-    assert own != runner.pool() and pool_bytes(own) > 0
-    x, pos, live = _batch(29, gen)
-    view = runner(x, pos, live=live)  # a view into the first bucket's own pool
-    expected = view.clone()
+    model, buckets, gen = _model(), [16, 32, 64], torch.Generator().manual_seed(4)
+    runner, own, view, expected = _lazy_runner_with_a_view_into_its_own_pool(model, buckets, gen)
     runner.capture()
     assert runner.stats()["captures"] == {"capture()": 2, "lazy": 1, "background": 0}
     assert all(runner.graph(n).pool() == runner.pool() for n in buckets)
@@ -164,18 +170,8 @@ def test_a_background_capture_after_a_lazy_call_captures_the_first_bucket_again_
     """capture(background=True) on a lazy runner whose first bucket is in a pool of its own: that
     bucket is captured again in its turn, into the runner's pool (its own freed at the next call),
     still counted as captured by its call; every bucket then replays bit-identically."""
-    model = _model()
-    buckets = [16, 32, 64]
-    x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
-                             progress=False, lazy=True)
-    gen = torch.Generator().manual_seed(6)
-    x, pos, live = _batch(20, gen)
-    runner(x, pos, live=live)
-    own = runner.graph(32).pool()
-    x, pos, live = _batch(21, gen)
-    view = runner(x, pos, live=live)  # a view into the first bucket's own pool
-    expected = view.clone()
+    model, buckets, gen = _model(), [16, 32, 64], torch.Generator().manual_seed(6)
+    runner, own, view, expected = _lazy_runner_with_a_view_into_its_own_pool(model, buckets, gen)
     runner.capture(background=True)
     assert runner.wait_captured(60)
     assert pool_bytes(own) > 0  # kept until the next call (first: see the test above)

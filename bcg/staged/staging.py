@@ -289,16 +289,19 @@ class Stager:
         if i is None:
             if written is None:
                 staged, written = recorder.run_breakpoint(stage, (spec, value), {})
-            self._upload_written(spec, written)
+            self._upload_written(recorder, spec, written)
             self._prepares.append(spec.prepare)
             self._values.append(staged)
         if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v, _ in self._fits):
             self._fits.append((spec, staged, f"{spec.name} does not fit"))
         return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
 
-    def _upload_written(self, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
+    def _upload_written(self, recorder: Recorder, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
         """Upload the buffers ``spec``'s ``prepare`` wrote (captured, when capturing: the graph
-        copies the host values in at every replay)."""
+        copies the host values in at every replay). The recording's first copy is announced to
+        ``recorder`` first (:meth:`Recorder.staging_point`)."""
+        if written and not self._buffers:
+            recorder.staging_point()
         for buf in written:
             other = self._buffers.get(buf)
             if other is not None:
