@@ -348,6 +348,52 @@ def test_the_host_prepares_while_the_gpu_runs_the_work_before_the_first_staged_c
     graph.reset()
 
 
+def test_side_stream_work_forked_before_the_first_staged_copy_and_joined_after_it_is_not_split() -> None:
+    """Work forked to a side stream before the first staged breakpoint and joined after it (a
+    prefetch overlapped with attention; ``bcg.capture``, the inline form only): the capture does not
+    end the segment at the staged copy (that would forbid the join), ``prepare`` runs before the one
+    launch, and replays stay bit-identical to eager; with the fork joined before the attention the
+    same code is split there."""
+    staging = Staging()
+    block = Block(_make_attention(staging), layers=1)
+    side = torch.cuda.Stream()
+    w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5
+
+    def forward(x: torch.Tensor, join_first: bool) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            prefetch = torch.tanh(x @ w)
+        if join_first:
+            main.wait_stream(side)
+        y = block(x)
+        main.wait_stream(side)
+        return y + prefetch
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    rng = random.Random(11)
+    for join_first, stage_at in ((False, 0), (True, 1)):
+        _eager(block, x, Meta((50, 78)))
+        with bcg.live_scope(Meta((50, 78))), torch.no_grad():
+            forward(x, join_first)  # (warm-up)
+        torch.cuda.synchronize()
+        graph = bcg.BreakableGraph()
+        with bcg.capture(graph, live=Meta((50, 78))), torch.no_grad():
+            out = forward(x, join_first)
+        assert graph.forms[0].recording.stage_at == stage_at
+        for requests in (1, 3, 4, 2):
+            meta = Meta(_lengths(rng, 128, requests))
+            x.copy_(torch.randn_like(x))
+            with bcg.live_scope(meta), torch.no_grad():
+                expected = forward(x, join_first)
+            torch.cuda.synchronize()
+            calls = staging.calls
+            graph.replay(meta)
+            assert torch.equal(out, expected), (join_first, meta.lengths)
+            assert staging.calls == calls + 1  # inline: prepared once
+        graph.reset()
+
+
 def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> None:
     """set_enabled switches the inline form at once and the breakable form right before it next
     replays (nodes disabled in place: no executable built for it); each form skips the group's

@@ -86,6 +86,20 @@ def graph_edges(graph: int) -> list[tuple[Any, Any]]:
     return list(zip(list(out[0])[:n], list(out[1])[:n]))
 
 
+def forked_leaves(stream: int) -> list[Any]:
+    """The leaves of the capturing ``stream``'s capture graph outside its dependency set: work
+    forked to side streams and not joined back yet (empty when ``stream`` is not capturing)."""
+    status, _, graph, deps = capture_info(stream)
+    if status != "active" or not graph:
+        return []
+    nodes = graph_nodes(graph)
+    if not nodes:
+        return []
+    sources = {int(a) for a, _ in graph_edges(graph)}
+    current = {int(d) for d in deps}
+    return [n for n in nodes if int(n) not in sources and int(n) not in current]
+
+
 def join_forked_work(stream: int) -> int:
     """Make the capturing ``stream`` depend on every leaf of its capture graph.
 
@@ -95,15 +109,7 @@ def join_forked_work(stream: int) -> int:
     them before whatever the stream does next). Returns how many were joined.
     """
     rt = runtime()
-    status, _, graph, deps = capture_info(stream)
-    if status != "active" or not graph:
-        return 0
-    nodes = graph_nodes(graph)
-    if not nodes:
-        return 0
-    sources = {int(a) for a, _ in graph_edges(graph)}
-    current = {int(d) for d in deps}
-    missing = [n for n in nodes if int(n) not in sources and int(n) not in current]
+    missing = forked_leaves(stream)
     if not missing:
         return 0
     flag = rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamAddCaptureDependencies
