@@ -86,18 +86,20 @@ def graph_edges(graph: int) -> list[tuple[Any, Any]]:
     return list(zip(list(out[0])[:n], list(out[1])[:n]))
 
 
-def forked_leaves(stream: int) -> list[Any]:
-    """The leaves of the capturing ``stream``'s capture graph outside its dependency set: work
-    forked to side streams and not joined back yet (empty when ``stream`` is not capturing)."""
-    status, _, graph, deps = capture_info(stream)
+def captured_chain(stream: int) -> bool:
+    """Whether the capturing ``stream``'s capture graph so far is one chain of nodes: no work of
+    another stream joined it (forked and joined back, or not yet). True with no node, or when
+    ``stream`` is not capturing."""
+    status, _, graph, _ = capture_info(stream)
     if status != "active" or not graph:
-        return []
+        return True
     nodes = graph_nodes(graph)
-    if not nodes:
-        return []
-    sources = {int(a) for a, _ in graph_edges(graph)}
-    current = {int(d) for d in deps}
-    return [n for n in nodes if int(n) not in sources and int(n) not in current]
+    edges = graph_edges(graph)
+    if len(edges) != max(len(nodes) - 1, 0):
+        return False
+    sources = [int(a) for a, _ in edges]
+    targets = [int(b) for _, b in edges]
+    return len(set(sources)) == len(sources) and len(set(targets)) == len(targets)
 
 
 def join_forked_work(stream: int) -> int:
@@ -109,7 +111,15 @@ def join_forked_work(stream: int) -> int:
     them before whatever the stream does next). Returns how many were joined.
     """
     rt = runtime()
-    missing = forked_leaves(stream)
+    status, _, graph, deps = capture_info(stream)
+    if status != "active" or not graph:
+        return 0
+    nodes = graph_nodes(graph)
+    if not nodes:
+        return 0
+    sources = {int(a) for a, _ in graph_edges(graph)}
+    current = {int(d) for d in deps}
+    missing = [n for n in nodes if int(n) not in sources and int(n) not in current]
     if not missing:
         return 0
     flag = rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamAddCaptureDependencies

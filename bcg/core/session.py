@@ -312,13 +312,13 @@ class CaptureSession(Recorder):
     def staging_point(self) -> None:
         """End the segment before the first staged copy: a replay launches the steps before it,
         then runs the staged ``prepare`` functions while the GPU works, then launches the rest
-        (``Recording.stage_at``). Not while work forked to a side stream is still unjoined: the
-        code may join it after the staged breakpoint, which a segment's end in between would
-        forbid; then the segment goes on and ``prepare`` runs before the launch."""
+        (``Recording.stage_at``). Not when the segment so far used another stream: the code
+        may join or use it again after the staged breakpoint, which a segment's end in between
+        would forbid; then the segment goes on and ``prepare`` runs before the launch."""
         if self.stage_at is not None or self._current is None:
             return
-        if cudart.forked_leaves(self.stream_handle):
-            log.debug("segment %d: not split before the first staged copy: side-stream work is not joined yet",
+        if not cudart.captured_chain(self.stream_handle):
+            log.debug("segment %d: not split before the first staged copy: it used a side stream",
                       self._segment_index)
             self.stage_at = 0
             return
