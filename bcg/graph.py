@@ -25,7 +25,7 @@ from bcg.core.breakpoint import UNSET, reset_live, set_live
 from bcg.core.plan import BreakpointStep, GraphSource, Recording, SegmentStep, Step, breakpoint_tensors
 from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.core.process import release_when_safe
-from bcg.core.replay import Executor, make_executor
+from bcg.core.replay import Executor, StagedExecutor, make_executor
 from bcg.core.storages import check_alarm
 from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
 from bcg.errors import ReplayError
@@ -100,7 +100,7 @@ class Form:
             # attaches itself to the keyed steps (graph mode) before the executor reads them
             self.variants = VariantCache(self.plan, recording.device if graph_mode else None,
                                          policy or VariantPolicy(), self._rebuild_executor, alarm, graph_pool)
-        self.executor: Executor | None = make_executor(self.plan) if graph_mode else None
+        self.executor: Executor | None = self._new_executor() if graph_mode else None
         self._executors: dict[frozenset[str], Executor] = {}
         if self.executor is not None:
             self._executors[frozenset()] = self.executor
@@ -122,18 +122,24 @@ class Form:
 
     def run(self, live: Any, stitch: bool, device: int | None) -> None:
         """Prepare and launch this form on the current stream (``live`` is set by the caller)."""
-        self.prepare(live)
         rec = self.recording
-        if self.executor is None:
+        executor = self.executor
+        profiling = executor is not None and profiler_enabled()
+        if isinstance(executor, StagedExecutor) and not profiling:
+            executor.run(live)  # (it prepares after launching the work before the staged copies)
+            self.replays += 1
+            return
+        self.prepare(live)
+        if executor is None:
             rec.rerun()  # type: ignore[misc]  # eager mode
-        elif profiler_enabled():
+        elif profiling:
             if self.variants is not None:
                 self.variants.begin_replay(live, stitch=False)
             self._run_profiled()
         elif self.variants is not None and (stitched := self.variants.begin_replay(live, stitch)) is not None:
             cudart.launch(stitched, _current_stream(device))  # every keyed step hit: one launch
         else:
-            self.executor.run()
+            executor.run()
         self.replays += 1
 
     def _run_profiled(self) -> None:
@@ -143,10 +149,19 @@ class Form:
             with torch.profiler.record_function(label):
                 step.launch()
 
+    def _new_executor(self, name: str | None = None) -> Executor:
+        """An executor of the plan (``make_executor``'s ``name``). Where the staged copies begin
+        after other work (``Recording.stage_at``), it launches that work before it prepares; not
+        with keyed breakpoints (a stitched launch takes the whole plan, prepared first)."""
+        at = self.recording.stage_at
+        if at and self.variants is None:
+            return StagedExecutor(self.plan, at, self.prepare, name)
+        return make_executor(self.plan, name)
+
     def _rebuild_executor(self) -> None:
         """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind."""
         if self.executor is not None:
-            self._set_executor(make_executor(self.plan, self.executor.name))
+            self._set_executor(self._new_executor(self.executor.name))
 
     def _set_executor(self, executor: Executor) -> None:
         self.executor = executor
@@ -154,7 +169,7 @@ class Form:
 
     def use_executor(self, name: str | None) -> None:
         if self.executor is not None:
-            self._set_executor(make_executor(self.plan, name))
+            self._set_executor(self._new_executor(name))
 
     def switch(self, disabled: frozenset[str]) -> bool:
         """Skip the node groups ``disabled`` (all or none of a group's nodes); False for a group
@@ -175,7 +190,7 @@ class Form:
                     step.skip(target, stream)
                 executor = self._executors.get(target)
                 if executor is None:
-                    executor = self._executors[target] = make_executor(self.plan, self.executor.name)
+                    executor = self._executors[target] = self._new_executor(self.executor.name)
             except BaseException:
                 for step in self.segments:  # back to the groups skipped before (built, or nodes)
                     step.skip(self.disabled, stream)

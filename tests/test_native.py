@@ -13,7 +13,7 @@ import bcg
 from bcg.core import native
 from bcg.core.breakpoint import BreakpointSpec
 from bcg.core.plan import BreakpointStep
-from bcg.core.replay import NativeExecutor, PythonExecutor, make_executor
+from bcg.core.replay import NativeExecutor, PythonExecutor, StagedExecutor, make_executor
 
 
 def _libcuda_loadable() -> bool:
@@ -328,6 +328,26 @@ def test_bcg_native_0_selects_the_python_executor(monkeypatch: pytest.MonkeyPatc
     assert isinstance(executor, PythonExecutor) and executor.name == "python"
     # an explicit request still gets the native executor
     assert make_executor(_plan_of_breakpoints(calls), "native").name == "native"
+
+
+@pytest.mark.parametrize("name", ["python", "native"])
+def test_a_staged_executor_prepares_between_its_two_parts(name: str) -> None:
+    """StagedExecutor: the steps before ``at``, then ``prepare(live)``, then the rest, on either
+    executor; a prepare that raises stops the replay before the rest."""
+    calls: list[str] = []
+    executor = StagedExecutor(_plan_of_breakpoints(calls), 1, lambda live: calls.append(f"prepare {live}"), name)
+    assert executor.name == name
+    executor.run(7)
+    executor.run(8)
+    assert calls == ["a", "prepare 7", "b", "c", "a", "prepare 8", "b", "c"]
+
+    def refuse(live: object) -> None:
+        raise ValueError("no room")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="no room"):
+        StagedExecutor(_plan_of_breakpoints(calls), 2, refuse, name).run(0)
+    assert calls == ["a", "b"]
 
 
 def test_explicit_executor_names(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -303,6 +303,97 @@ def test_make_graph_holds_both_forms_and_outputs_are_the_same_tensors() -> None:
     graph.reset()
 
 
+def test_the_host_prepares_while_the_gpu_runs_the_work_before_the_first_staged_copy() -> None:
+    """A staged form launches its work up to the first staged copy, then runs ``prepare``, then
+    launches the rest: ``prepare`` finds the stream busy with a long prelude, every replay prepares
+    once, and the results stay bit-identical to eager, in the inline form and in the breakable one."""
+    busy: list[bool] = []
+
+    class Watching(Staging):
+        def prepare(self, meta: Meta) -> Meta:
+            if not torch.cuda.is_current_stream_capturing():  # (a capture runs prepare too; no query then)
+                busy.append(not torch.cuda.current_stream().query())
+            return super().prepare(meta)
+
+    staging = Watching()
+    block = Block(_make_attention(staging))
+    w = torch.randn(2048, 2048, device="cuda", dtype=DTYPE) / 2048**0.5
+
+    def forward(x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(40):  # (milliseconds of GPU work before the first attention)
+            h = torch.tanh(h @ w)
+        return block(x + h[: x.shape[0], :HIDDEN]), h
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    h = torch.randn(2048, 2048, device="cuda", dtype=DTYPE)
+    graph = bcg.make_graph(forward, x, h, live=Meta((50, 78)))
+    inline = graph.forms[0]
+    assert inline.name == "inline" and inline.recording.stage_at == 1  # the prelude's segment comes first
+    rng = random.Random(9)
+    for requests in (1, 4, 6, 3, 2, 5):
+        meta = Meta(_lengths(rng, 128, requests))
+        x.copy_(torch.randn_like(x))
+        h.copy_(torch.randn_like(h))
+        with bcg.live_scope(meta), torch.no_grad():
+            expected = forward(x, h)
+        torch.cuda.synchronize()
+        busy.clear()
+        calls = staging.calls
+        y = graph.replay(meta)
+        assert all(torch.equal(a, b) for a, b in zip(y, expected)), (requests, meta.lengths)
+        if requests <= SLOTS:  # inline: one prepare, after the prelude was launched
+            assert staging.calls == calls + 1 and busy == [True], (requests, busy)
+        else:  # the breakable form: the attention's eager run reads the real metadata
+            assert staging.calls == calls
+    graph.reset()
+
+
+def test_a_segment_that_used_a_side_stream_is_not_split_at_the_first_staged_copy() -> None:
+    """Work forked to a side stream before the first staged breakpoint (a prefetch overlapped with
+    attention; ``bcg.capture``, the inline form only), joined after it, or joined before it and
+    waited on again after it: the capture does not end the segment at the staged copy (that would
+    forbid the later join or wait), ``prepare`` runs before the one launch, and replays stay
+    bit-identical to eager."""
+    staging = Staging()
+    block = Block(_make_attention(staging), layers=1)
+    side = torch.cuda.Stream()
+    w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5
+
+    def forward(x: torch.Tensor, join_first: bool) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            prefetch = torch.tanh(x @ w)
+        if join_first:
+            main.wait_stream(side)
+        y = block(x)
+        main.wait_stream(side)
+        return y + prefetch
+
+    x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
+    rng = random.Random(11)
+    for join_first in (False, True):
+        _eager(block, x, Meta((50, 78)))
+        with bcg.live_scope(Meta((50, 78))), torch.no_grad():
+            forward(x, join_first)  # (warm-up)
+        torch.cuda.synchronize()
+        graph = bcg.BreakableGraph()
+        with bcg.capture(graph, live=Meta((50, 78))), torch.no_grad():
+            out = forward(x, join_first)
+        assert graph.forms[0].recording.stage_at == 0 and graph.stats().segments == 1
+        for requests in (1, 3, 4, 2):
+            meta = Meta(_lengths(rng, 128, requests))
+            x.copy_(torch.randn_like(x))
+            with bcg.live_scope(meta), torch.no_grad():
+                expected = forward(x, join_first)
+            torch.cuda.synchronize()
+            calls = staging.calls
+            graph.replay(meta)
+            assert torch.equal(out, expected), (join_first, meta.lengths)
+            assert staging.calls == calls + 1  # inline: prepared once
+        graph.reset()
+
+
 def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> None:
     """set_enabled switches the inline form at once and the breakable form right before it next
     replays (nodes disabled in place: no executable built for it); each form skips the group's

@@ -263,6 +263,9 @@ class Recorder:
     def on_graph_break(self) -> None:
         pass
 
+    def staging_point(self) -> None:
+        """Called right before the recording's first staged copy (default: nothing)."""
+
     def run_breakpoint(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], live: Any = UNSET) -> Any:
         """``fn(*args, **kwargs)`` as breakpoint code: ``bcg.live()`` may be read inside
         (and returns ``live``, when given)."""

@@ -242,7 +242,9 @@ class Recording:
     function). ``guards``/``poison``: the debugging aids checked before each
     replay. ``stager``: the staged breakpoints captured inline, which a replay
     asks and prepares before launching (a :class:`bcg.staged.staging.Stager`;
-    None or empty: none). ``unswitchable``: labels of ``switchable`` blocks
+    None or empty: none). ``stage_at``: the plan index where the staged copies begin (a
+    replay launches the steps before it, prepares, then launches the rest; None or 0: it
+    prepares first). ``unswitchable``: labels of ``switchable`` blocks
     that cannot be disabled (their nodes always run). ``held``: the storages
     outside the pool that the segments read (see :mod:`bcg.core.storages`).
     """
@@ -257,6 +259,7 @@ class Recording:
     guards: Guards | None = None
     poison: Poison | None = None
     stager: Any = None
+    stage_at: int | None = None
     unswitchable: frozenset[str] = frozenset()
     held: HeldStorages | None = None
 

@@ -4,7 +4,9 @@ The Python executor calls each step's ``launch`` in order. The native executor
 (``csrc/``, module ``bcg._native``) runs the same plan in one C loop: segments
 are launched with ``cuGraphLaunch`` straight from C, and only breakpoints (and
 segments that use RNG, whose replay must go through torch) call back into
-Python. Both see the plan only through ``SegmentStep``/``BreakpointStep``.
+Python. Both see the plan only through ``SegmentStep``/``BreakpointStep``. A plan
+with staged copies (``Recording.stage_at``) replays in two parts, its staged
+breakpoints' ``prepare`` between them (:class:`StagedExecutor`).
 """
 
 from __future__ import annotations
@@ -126,7 +128,25 @@ class NativeExecutor:
             raise
 
 
-Executor = Union[PythonExecutor, NativeExecutor]
+class StagedExecutor:
+    """Replays a plan whose staged copies begin at step ``at``: the steps before it, then
+    ``prepare(live)`` (the staged breakpoints' host writes, which those copies read), then the rest.
+    The GPU runs the first part while the host prepares."""
+
+    def __init__(self, plan: Sequence[Step], at: int, prepare: Callable[[Any], None], name: str | None = None) -> None:
+        self._head = make_executor(plan[:at], name)
+        self._tail = make_executor(plan[at:], name)
+        self._prepare = prepare
+        self.name = self._tail.name
+
+    def run(self, live: Any) -> None:
+        """One replay; ``prepare(live)`` runs between the two parts."""
+        self._head.run()
+        self._prepare(live)
+        self._tail.run()
+
+
+Executor = Union[PythonExecutor, NativeExecutor, StagedExecutor]
 
 
 def _plan_launches(plan: Sequence[Step]) -> bool:

@@ -146,6 +146,7 @@ class CaptureSession(Recorder):
         self._generator = torch.cuda.default_generators[device]
         self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
         self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
+        self.stage_at: int | None = None  # the plan index the staged copies start at (see staging_point)
         # the storages outside the pool that captured operations read (see bcg.core.storages)
         self.watch = StorageWatch(SegmentMap([pool]).external, recording=self.recording_segment)
 
@@ -306,6 +307,23 @@ class CaptureSession(Recorder):
 
     def on_graph_break(self) -> None:
         self.close_segment("bcg.graph_break()")
+        self.open_segment()
+
+    def staging_point(self) -> None:
+        """End the segment before the first staged copy: a replay launches the steps before it,
+        then runs the staged ``prepare`` functions while the GPU works, then launches the rest
+        (``Recording.stage_at``). Not when the segment so far used another stream: the code
+        may join or use it again after the staged breakpoint, which a segment's end in between
+        would forbid; then the segment goes on and ``prepare`` runs before the launch."""
+        if self.stage_at is not None or self._current is None:
+            return
+        if not cudart.captured_chain(self.stream_handle):
+            log.debug("segment %d: not split before the first staged copy: it used a side stream",
+                      self._segment_index)
+            self.stage_at = 0
+            return
+        self.close_segment("the first staged breakpoint's copies")
+        self.stage_at = len(self.plan)
         self.open_segment()
 
     def pool_resident_tensors(self) -> list[torch.Tensor]:
@@ -487,6 +505,7 @@ class Capture:
                     guards=self._build_guards(session) if self.debug.guards else None,
                     poison=self._build_poison(session) if self.debug.poison else None,
                     stager=session.stager or None,
+                    stage_at=session.stage_at if session.stager else None,
                     unswitchable=frozenset(session.unswitchable),
                     held=held,
                 )

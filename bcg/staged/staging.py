@@ -22,10 +22,11 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
   and runs the breakpoint's function inline: its kernels are recorded in the
   segment, reading the device buffers. What ``prepare`` returned at capture is
   frozen into the graph.
-* At replay, bcg asks ``fits(live)``; if every staged breakpoint fits, it calls
-  each distinct ``prepare`` once (breakpoints sharing one ``prepare`` function
-  share its buffers: stage once per forward, not per layer) and launches the
-  graph, which copies the buffers in. Otherwise it replays the graph's
+* At replay, bcg asks ``fits(live)``; if every staged breakpoint fits, it
+  launches the work before the first staged copy, calls each distinct
+  ``prepare`` once (breakpoints sharing one ``prepare`` function share its
+  buffers: stage once per forward, not per layer) and launches the rest,
+  which copies the buffers in. Otherwise it replays the graph's
   breakable form, where the function runs eagerly and ``bcg.live()`` is the
   real metadata; so the function must accept both.
 * Outside bcg (plain eager calls) the function runs with the real metadata;
@@ -289,16 +290,19 @@ class Stager:
         if i is None:
             if written is None:
                 staged, written = recorder.run_breakpoint(stage, (spec, value), {})
-            self._upload_written(spec, written)
+            self._upload_written(recorder, spec, written)
             self._prepares.append(spec.prepare)
             self._values.append(staged)
         if not any(s.fits == spec.fits and (not s.fits_reads_staged or v is staged) for s, v, _ in self._fits):
             self._fits.append((spec, staged, f"{spec.name} does not fit"))
         return recorder.run_breakpoint(spec.fn, args, kwargs, live=staged)
 
-    def _upload_written(self, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
+    def _upload_written(self, recorder: Recorder, spec: BreakpointSpec, written: list[StagingBuffer]) -> None:
         """Upload the buffers ``spec``'s ``prepare`` wrote (captured, when capturing: the graph
-        copies the host values in at every replay)."""
+        copies the host values in at every replay). The recording's first copy is announced to
+        ``recorder`` first (:meth:`Recorder.staging_point`)."""
+        if written and not self._buffers:
+            recorder.staging_point()
         for buf in written:
             other = self._buffers.get(buf)
             if other is not None:
