@@ -129,7 +129,13 @@ def capture_into(
             raises :class:`bcg.CaptureError`.
         release: maps a form's outputs before the graph keeps them (the runner's
             non-owning aliases, so later captures into the pool reuse that memory).
+
+    The inline forms end a segment before the first staged copy
+    (``CaptureOptions.split_staged``): the caller captures a staged graph's
+    breakable form too (make_graph and the runner do), whose segments end at
+    every staged breakpoint anyway.
     """
+    options = dataclasses.replace(options, split_staged=True)
     if form != "main":
         options = dataclasses.replace(options, pool=graph.pool(), inline=form == "tier", watch=False)
     cap = Capture(options, Stager())

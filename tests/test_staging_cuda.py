@@ -13,6 +13,7 @@ import bcg
 from bcg.capture import capture_into
 from bcg.core.plan import BreakpointStep
 from bcg.core.session import CaptureOptions
+from bcg.errors import StreamForkError
 
 pytestmark = pytest.mark.cuda
 
@@ -348,12 +349,13 @@ def test_the_host_prepares_while_the_gpu_runs_the_work_before_the_first_staged_c
     graph.reset()
 
 
-def test_a_segment_that_used_a_side_stream_is_not_split_at_the_first_staged_copy() -> None:
-    """Work forked to a side stream before the first staged breakpoint (a prefetch overlapped with
-    attention; ``bcg.capture``, the inline form only), joined after it, or joined before it and
-    waited on again after it: the capture does not end the segment at the staged copy (that would
-    forbid the later join or wait), ``prepare`` runs before the one launch, and replays stay
-    bit-identical to eager."""
+def test_side_stream_work_across_a_staged_breakpoint_captures_with_bcg_capture_only() -> None:
+    """Work forked to a side stream before a staged breakpoint (a prefetch overlapped with
+    attention), joined after it, or joined before it and waited on again after it.
+    ``bcg.capture`` (the inline form only) does not end the segment at the staged copy: it captures
+    one segment, ``prepare`` runs once before the launch, and replays stay bit-identical to eager.
+    ``make_graph`` ends segments there (its inline form at the first staged copy, its breakable form
+    at the breakpoint): it raises :class:`bcg.errors.StreamForkError` and leaves CUDA clean."""
     staging = Staging()
     block = Block(_make_attention(staging), layers=1)
     side = torch.cuda.Stream()
@@ -373,14 +375,14 @@ def test_a_segment_that_used_a_side_stream_is_not_split_at_the_first_staged_copy
     x = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
     rng = random.Random(11)
     for join_first in (False, True):
-        _eager(block, x, Meta((50, 78)))
-        with bcg.live_scope(Meta((50, 78))), torch.no_grad():
-            forward(x, join_first)  # (warm-up)
-        torch.cuda.synchronize()
+        with torch.no_grad(), pytest.raises(StreamForkError):
+            bcg.make_graph(forward, x, join_first, live=Meta((50, 78)))
+        assert not torch.cuda.is_current_stream_capturing()
+        torch.cuda.synchronize()  # (no sticky error; the capture below works)
         graph = bcg.BreakableGraph()
         with bcg.capture(graph, live=Meta((50, 78))), torch.no_grad():
             out = forward(x, join_first)
-        assert graph.forms[0].recording.stage_at == 0 and graph.stats().segments == 1
+        assert graph.forms[0].recording.stage_at is None and graph.stats().segments == 1
         for requests in (1, 3, 4, 2):
             meta = Meta(_lengths(rng, 128, requests))
             x.copy_(torch.randn_like(x))

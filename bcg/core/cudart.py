@@ -86,22 +86,6 @@ def graph_edges(graph: int) -> list[tuple[Any, Any]]:
     return list(zip(list(out[0])[:n], list(out[1])[:n]))
 
 
-def captured_chain(stream: int) -> bool:
-    """Whether the capturing ``stream``'s capture graph so far is one chain of nodes: no work of
-    another stream joined it (forked and joined back, or not yet). True with no node, or when
-    ``stream`` is not capturing."""
-    status, _, graph, _ = capture_info(stream)
-    if status != "active" or not graph:
-        return True
-    nodes = graph_nodes(graph)
-    edges = graph_edges(graph)
-    if len(edges) != max(len(nodes) - 1, 0):
-        return False
-    sources = [int(a) for a, _ in edges]
-    targets = [int(b) for _, b in edges]
-    return len(set(sources)) == len(sources) and len(set(targets)) == len(targets)
-
-
 def join_forked_work(stream: int) -> int:
     """Make the capturing ``stream`` depend on every leaf of its capture graph.
 

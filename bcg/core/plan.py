@@ -244,7 +244,7 @@ class Recording:
     asks and prepares before launching (a :class:`bcg.staged.staging.Stager`;
     None or empty: none). ``stage_at``: the plan index where the staged copies begin (a
     replay launches the steps before it, prepares, then launches the rest; None or 0: it
-    prepares first). ``unswitchable``: labels of ``switchable`` blocks
+    prepares first, see ``CaptureOptions.split_staged``). ``unswitchable``: labels of ``switchable`` blocks
     that cannot be disabled (their nodes always run). ``held``: the storages
     outside the pool that the segments read (see :mod:`bcg.core.storages`).
     """

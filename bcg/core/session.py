@@ -123,9 +123,11 @@ class CaptureSession(Recorder):
         inline: bool = True,
         replay_stream: torch.cuda.Stream | None = None,
         barrier: Callable[[], None] | None = None,
+        split_staged: bool = False,
     ) -> None:
         super().__init__()
         self._barrier = barrier
+        self.split_staged = split_staged
         self.inline = inline
         self.replay_stream = replay_stream if replay_stream is not None else stream
         self.stager = stager  # records staged breakpoints inline (a bcg.staged.staging.Stager)
@@ -310,17 +312,10 @@ class CaptureSession(Recorder):
         self.open_segment()
 
     def staging_point(self) -> None:
-        """End the segment before the first staged copy: a replay launches the steps before it,
-        then runs the staged ``prepare`` functions while the GPU works, then launches the rest
-        (``Recording.stage_at``). Not when the segment so far used another stream: the code
-        may join or use it again after the staged breakpoint, which a segment's end in between
-        would forbid; then the segment goes on and ``prepare`` runs before the launch."""
-        if self.stage_at is not None or self._current is None:
-            return
-        if not cudart.captured_chain(self.stream_handle):
-            log.debug("segment %d: not split before the first staged copy: it used a side stream",
-                      self._segment_index)
-            self.stage_at = 0
+        """End the segment before the first staged copy (``split_staged``): a replay launches the
+        steps before it, then runs the staged ``prepare`` functions while the GPU works, then
+        launches the rest (``Recording.stage_at``)."""
+        if not self.split_staged or self.stage_at is not None or self._current is None:
             return
         self.close_segment("the first staged breakpoint's copies")
         self.stage_at = len(self.plan)
@@ -372,6 +367,11 @@ class CaptureOptions:
             (False uploads it only: outputs hold their values from the first replay).
         watch: hold the storages outside the pool that the segments read (False:
             another form of the same graph, captured from the same code, holds them).
+        split_staged: end the segment before the first staged copy, so a replay
+            prepares while the GPU runs the work before it. Only where the graph
+            also has a breakable form, whose segments end at every staged
+            breakpoint: the split then asks nothing more of the code (no side
+            stream forked before it and joined after it, as at any breakpoint).
     """
 
     pool: PoolHandle | None = None
@@ -385,6 +385,7 @@ class CaptureOptions:
     barrier: Callable[[], None] | None = None
     compute_outputs: bool = True
     watch: bool = True
+    split_staged: bool = False
 
     def __post_init__(self) -> None:
         if self.capture_error_mode not in _CAPTURE_MODES:
@@ -456,7 +457,7 @@ class Capture:
             self._session = CaptureSession(
                 pool, stream, options.capture_error_mode, device, self._stager, options.after_breakpoint,
                 owns_pool=options.pool is None, inline=options.inline, replay_stream=self._ambient,
-                barrier=options.barrier,
+                barrier=options.barrier, split_staged=options.split_staged,
             )
         except BaseException:
             self._capturing.__exit__(None, None, None)
@@ -612,7 +613,7 @@ def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseE
         else:
             cause = (
                 f"The stream it waited on{named} ran that work outside the capture (before it began, "
-                "or during a breakpoint). Fork side streams from the capture stream inside the "
+                "in an earlier segment, or during a breakpoint). Fork side streams from the capture stream inside the "
                 "segment (side.wait_stream(torch.cuda.current_stream())) before using them."
             )
         return StreamForkError(f"{segment} waited{at} on another stream's work from outside the capture: {exc}\n{cause} {_CLEAN}")

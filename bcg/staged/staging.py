@@ -23,10 +23,11 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
   segment, reading the device buffers. What ``prepare`` returned at capture is
   frozen into the graph.
 * At replay, bcg asks ``fits(live)``; if every staged breakpoint fits, it
-  launches the work before the first staged copy, calls each distinct
-  ``prepare`` once (breakpoints sharing one ``prepare`` function share its
-  buffers: stage once per forward, not per layer) and launches the rest,
-  which copies the buffers in. Otherwise it replays the graph's
+  calls each distinct ``prepare`` once (breakpoints sharing one ``prepare``
+  function share its buffers: stage once per forward, not per layer) and
+  launches the graph, which copies the buffers in (``make_graph`` and the
+  runner launch the work before the first staged copy first, see
+  :meth:`bcg.core.session.CaptureSession.staging_point`). Otherwise it replays the graph's
   breakable form, where the function runs eagerly and ``bcg.live()`` is the
   real metadata; so the function must accept both.
 * Outside bcg (plain eager calls) the function runs with the real metadata;
