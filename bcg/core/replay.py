@@ -106,14 +106,24 @@ class NativeExecutor:
         """How many segments the C loop launches itself (the others go through torch)."""
         return int(self._native.launches)
 
-    def run(self) -> None:
+    def current(self) -> tuple[int, int] | None:
+        """``(stream, device)`` where :meth:`run` launches now; None for a plan of callables only."""
+        if self._get_device is None:
+            return None
+        assert self._get_stream is not None
+        device = self._get_device()
+        return self._get_stream(device), device
+
+    def run(self, where: tuple[int, int] | None = None) -> None:
+        """One replay on ``where`` (``(stream, device)`` from :meth:`current`; None: read now)."""
         try:
             if self._get_device is None:
                 self._replay(0)  # callables only: no stream, no driver needed
             else:
-                assert self._get_stream is not None
-                device = self._get_device()
-                self._replay(self._get_stream(device), device)
+                if where is None:
+                    where = self.current()
+                    assert where is not None
+                self._replay(*where)
         except BaseException as exc:
             i = self._native.failed_step
             step = self._plan[i] if 0 <= i < len(self._plan) else None
@@ -138,12 +148,22 @@ class StagedExecutor:
         self._tail = make_executor(plan[at:], name)
         self._prepare = prepare
         self.name = self._tail.name
+        self._native = isinstance(self._head, NativeExecutor) and isinstance(self._tail, NativeExecutor)
 
     def run(self, live: Any) -> None:
-        """One replay; ``prepare(live)`` runs between the two parts."""
-        self._head.run()
+        """One replay; ``prepare(live)`` runs between the two parts (native ones launch on the
+        device and stream read once, before the first)."""
+        head, tail = self._head, self._tail
+        if self._native:
+            assert isinstance(head, NativeExecutor) and isinstance(tail, NativeExecutor)
+            where = head.current() or tail.current()
+            head.run(where)
+            self._prepare(live)
+            tail.run(where)
+            return
+        head.run()
         self._prepare(live)
-        self._tail.run()
+        tail.run()
 
 
 Executor = Union[PythonExecutor, NativeExecutor, StagedExecutor]
