@@ -148,22 +148,23 @@ class StagedExecutor:
         self._tail = make_executor(plan[at:], name)
         self._prepare = prepare
         self.name = self._tail.name
-        self._native = isinstance(self._head, NativeExecutor) and isinstance(self._tail, NativeExecutor)
+        head, tail = self._head, self._tail
+        self._native = (head, tail) if isinstance(head, NativeExecutor) and isinstance(tail, NativeExecutor) else None
 
     def run(self, live: Any) -> None:
         """One replay; ``prepare(live)`` runs between the two parts (native ones launch on the
         device and stream read once, before the first)."""
-        head, tail = self._head, self._tail
-        if self._native:
-            assert isinstance(head, NativeExecutor) and isinstance(tail, NativeExecutor)
+        native = self._native
+        if native is not None:
+            head, tail = native
             where = head.current() or tail.current()
             head.run(where)
             self._prepare(live)
             tail.run(where)
             return
-        head.run()
+        self._head.run()
         self._prepare(live)
-        tail.run()
+        self._tail.run()
 
 
 Executor = Union[PythonExecutor, NativeExecutor, StagedExecutor]
