@@ -250,3 +250,109 @@ def test_pausing_a_watch_under_another_mode_leaves_both_in_place() -> None:
         with watch.paused():
             outside * 2
     assert Count.ops == 1 and outside.untyped_storage().data_ptr() in seen
+
+
+# -- storages no replay reads old values from ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overwrite",
+    [
+        lambda b: b.fill_(2.0),
+        lambda b: b.zero_(),
+        lambda b: b.copy_(torch.randn(b.shape)),
+        lambda b: b.uniform_(),
+        lambda b: torch.add(torch.randn(b.shape), 1.0, out=b),
+        lambda b: b.t().copy_(torch.randn(b.shape[::-1])),  # a permuted view covers it too
+    ],
+    ids=["fill_", "zero_", "copy_", "uniform_", "out=", "transposed copy_"],
+)
+def test_a_dropped_tensor_the_capture_first_overwrites_whole_is_scratch_not_stale(overwrite) -> None:  # type: ignore[no-untyped-def]
+    """torch's reset-and-recapture pattern: the graph's own first write makes the old values
+    irrelevant, so dropping the tensor is legal; the graph still holds its memory."""
+    state = {"b": torch.randn(8, 4)}
+    ptr = state["b"].untyped_storage().data_ptr()
+
+    def fn() -> None:
+        overwrite(state["b"])
+        for _ in range(3):
+            state["b"] = state["b"] + 2  # rebinds the name: the first tensor is the graph's alone
+
+    watch = StorageWatch(lambda op, t, p: p == ptr, recording=lambda: True)  # (the rest is the pool's)
+    with watch:
+        fn()
+    alarm: list = []
+    held = watch.held("the test's segments", alarm)
+    gc.collect()
+    assert len(held) == 1 and held.nbytes == 8 * 4 * 4  # held: replays write there
+    assert alarm == []
+    check_alarm(alarm)
+
+
+@pytest.mark.parametrize(
+    "access",
+    [
+        lambda b: b.add_(1.0),  # reads before writing
+        lambda b: b[:4].fill_(0.0),  # writes part of it: the rest is read later
+        lambda b: b.copy_(b.flip(0)),  # its own old values are the source
+        lambda b: torch.add(b, 1.0, out=b),  # an out= argument the operation also reads
+        lambda b: b[:, ::2].zero_(),  # a strided view: every other column is left
+    ],
+    ids=["add_", "partial fill_", "copy_ from itself", "out= also read", "strided zero_"],
+)
+def test_a_dropped_tensor_whose_old_values_a_replay_reads_is_still_refused(access) -> None:  # type: ignore[no-untyped-def]
+    state = {"b": torch.randn(8, 4)}
+    ptr = state["b"].untyped_storage().data_ptr()
+    watch = StorageWatch(lambda op, t, p: p == ptr, recording=lambda: True)  # (the rest is the pool's)
+    with watch:
+        access(state["b"])
+        state["b"].sum(0)
+    alarm: list = []
+    held = watch.held("the test's segments", alarm)
+    assert len(held) == 1
+    check_alarm(alarm)
+    state.clear()
+    gc.collect()
+    with pytest.raises(StaleTensorError, match="replaced tensor"):
+        check_alarm(alarm)
+
+
+class _Writers:
+    """Stands in for another graph's pool (bcg.core.pool.PoolWriters)."""
+
+    name = "the bcg graph captured at producer.py:7"
+
+    def __init__(self) -> None:
+        self.live = True
+
+    def alive(self) -> bool:
+        return self.live
+
+
+def test_another_graphs_output_is_not_stale_while_that_graph_lives_and_named_after() -> None:
+    """Chained graphs: what g1 reads lives in g0's pool and g0's replay rewrites it. Dropping the
+    user's name for it is legal while g0 holds its capture; once g0 is reset, a replay says so."""
+    writers = _Writers()
+    produced = {"b": torch.randn(16)}
+    weight = {"w": torch.randn(16)}
+    pools = {produced["b"].untyped_storage().data_ptr(): writers}
+    watch = StorageWatch(lambda op, t, ptr: True, recording=lambda: True, writers=pools.get)
+    with watch:
+        produced["b"] * weight["w"]
+    alarm: list = []
+    held = watch.held("g1's segments", alarm)
+    assert len(held) == 2
+    produced.clear()
+    gc.collect()
+    assert alarm  # posted: only the graph holds it now
+    check_alarm(alarm)  # g0 rewrites it at every replay
+    check_alarm(alarm)
+    writers.live = False  # g0 reset or freed
+    with pytest.raises(StaleTensorError, match=r"reset or freed \(the bcg graph captured at producer.py:7\)") as err:
+        check_alarm(alarm)
+    assert "torch.float32 tensor of shape (16,)" in str(err.value)
+    weight.clear()  # the weight in the global pool: refused as ever
+    writers.live = True
+    gc.collect()
+    with pytest.raises(StaleTensorError, match="replaced tensor"):
+        check_alarm(alarm)

@@ -455,3 +455,103 @@ def test_a_graph_keeps_a_tensor_its_caller_dropped_and_reports_it() -> None:
     with pytest.raises(bcg.ReplayError, match="replaced tensor"):
         graph.replay()
     graph.reset()
+
+
+# -- legal torch.cuda.graph code that replaces nothing ----------------------------------------------
+
+
+def test_a_recapture_whose_first_op_overwrites_a_dropped_tensor_replays() -> None:
+    """torch's reset-and-recapture: the second capture's first op fills the first capture's
+    output, then the name moves on. Nothing is replaced: every replay fills it first."""
+    a = torch.randn(1000, device="cuda")
+    b = a + 1  # warm-up
+    torch.empty_like(a).fill_(2.0)
+    g = bcg.BreakableGraph()
+    with bcg.capture(g):
+        b = a
+        for _ in range(10):
+            b = b + 1
+    a.copy_(torch.randn_like(a))
+    g.replay()
+    torch.testing.assert_close(b, a + 10)
+    g.reset()
+    with bcg.capture(g):
+        b.fill_(2.0)  # b: the first capture's output, in the reset graph's pool
+        for _ in range(10):
+            b = b + 2
+    gc.collect()
+    b.zero_()
+    g.replay()
+    assert torch.equal(b, torch.full_like(a, 22.0))
+    assert g.stats().held_storages == 1  # the filled tensor: held (replays write it), never refused
+    g.reset()
+
+
+def _temps(t: torch.Tensor, val: float) -> torch.Tensor:
+    """torch's chained-graph test body: temporaries a later graph may reuse."""
+    return (t.clone() + val) + (t.clone() + val)
+
+
+@pytest.mark.parametrize("producer", ["bcg", "torch"])
+@pytest.mark.parametrize("share", ["none", "pool()", "graph_pool_handle()"])
+@pytest.mark.parametrize("breakpoint", [False, True], ids=["plain-then-reset", "breakpoint-then-freed"])
+def test_a_graph_reads_another_graphs_output_while_that_graph_lives(producer: str, share: str,
+                                                                      breakpoint: bool) -> None:
+    """torch's two-successive-graphs pattern: g1 reads g0's output, and the user's name moves on
+    to g1's output, so the graphs alone hold g0's. g0's replay rewrites it: g0 then g1 replay
+    as torch.cuda.graph's do. Once g0 is reset (or freed), g1's next replay names g0 and
+    launches nothing."""
+    a = torch.randn(1000, device="cuda")
+    _temps(a, 1.0)  # warm-up
+
+    @bcg.breakpoint
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        return t * 0.5
+
+    def second(t: torch.Tensor) -> torch.Tensor:
+        for i in range(5):
+            t = _temps(t, 1.0)
+            if breakpoint and i == 2:
+                t = scale(t)
+        return t
+
+    handle = bcg.graph_pool_handle() if share == "graph_pool_handle()" else None
+    g0: bcg.BreakableGraph | torch.cuda.CUDAGraph
+    if producer == "torch":
+        g0 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g0, pool=handle):
+            b = a.clone()
+            for _ in range(5):
+                b = _temps(b, 1.0)
+    else:
+        g0 = bcg.BreakableGraph()
+        with bcg.capture(g0, pool=handle):
+            b = a.clone()
+            for _ in range(5):
+                b = _temps(b, 1.0)
+    g1 = bcg.BreakableGraph()
+    with bcg.capture(g1, pool=g0.pool() if share == "pool()" else handle):
+        b = second(b)  # g0's output: the graphs' alone from here on
+    gc.collect()
+    for _ in range(3):
+        a.copy_(torch.randn_like(a))
+        expected = a.clone()
+        for _ in range(5):
+            expected = _temps(expected, 1.0)
+        expected = second(expected)
+        g0.replay()
+        g1.replay()
+        assert torch.equal(b, expected)
+
+    if breakpoint:
+        del g0
+        gc.collect()
+    else:
+        g0.reset()
+    name = "test_lifetime_cuda.py" if producer == "bcg" else "torch.cuda.CUDAGraph"
+    b.zero_()
+    with pytest.raises(bcg.errors.StaleTensorError, match=f"(?s)reset or freed \\(.*{name}"):
+        g1.replay()
+    torch.cuda.synchronize()
+    assert not b.any()  # nothing was launched
+    g1.reset()

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -81,6 +83,16 @@ def pool_bytes(pool: PoolHandle | None, device: int | None = None) -> int:
     return sum(int(seg["total_size"]) for seg in segments(device, pool))
 
 
+class _LeaseGraph(torch.cuda.CUDAGraph):
+    """The empty graph that holds a :class:`PoolLease`'s counts, named after what the pool serves."""
+
+    owner: str
+
+
+class SegmentGraph(torch.cuda.CUDAGraph):
+    """One segment of a bcg graph; in its pool, the graph is represented by its lease."""
+
+
 class PoolLease:
     """A graph's share of a private pool, from capture until ``reset()``.
 
@@ -91,11 +103,16 @@ class PoolLease:
     segments (consecutive breakpoints), which are kept until the lease ends: so
     neither a failed capture nor dropping empty segments takes the pool to zero
     while the graph lives.
+
+    Arguments:
+        owner: what the pool serves, for errors ("the bcg graph captured at ...").
     """
 
-    def __init__(self, device: int, pool: PoolHandle, stream: torch.cuda.Stream) -> None:
+    def __init__(self, device: int, pool: PoolHandle, stream: torch.cuda.Stream, owner: str = "a bcg graph") -> None:
         self.device, self.pool = device, pool
-        self._graphs: list[torch.cuda.CUDAGraph] = [torch.cuda.CUDAGraph()]
+        share = _LeaseGraph()
+        share.owner = owner
+        self._graphs: list[torch.cuda.CUDAGraph] = [share]
         with torch.cuda.stream(stream), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             # thread_local: a global-mode capture, however short, would refuse other threads'
@@ -128,7 +145,60 @@ def _reset_all(graphs: list[torch.cuda.CUDAGraph]) -> None:
         graphs.pop().reset()
 
 
+def _captured(graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether ``graph`` holds a capture (torch's ``pool()`` refuses before capture and after reset)."""
+    try:
+        graph.pool()
+    except RuntimeError:
+        return False
+    return True
+
+
+class PoolWriters:
+    """The live graphs captured into one private pool: what rewrites the tensors that live there.
+
+    A tensor in another graph's pool is that graph's output (or its scratch):
+    the other graph's replay writes it, so a graph that reads it does not read
+    stale values while one of these graphs still holds its capture. bcg's own
+    graphs are represented by their leases, torch's by themselves; both are
+    referenced weakly.
+    """
+
+    def __init__(self, pool: PoolHandle, graphs: list[torch.cuda.CUDAGraph]) -> None:
+        leases = [g for g in graphs if isinstance(g, _LeaseGraph)]
+        if leases:  # a bcg graph's segments live exactly as long as its lease
+            graphs = leases
+            name = leases[0].owner
+        else:
+            name = f"the torch.cuda.CUDAGraph captured into pool {tuple(pool)}"
+        if len(graphs) > 1:
+            name += f" (and {len(graphs) - 1} other graph(s) sharing its pool)"
+        self.name = name
+        self._graphs = [weakref.ref(g) for g in graphs]
+
+    def alive(self) -> bool:
+        """Whether one of the graphs still holds its capture (not reset, not freed)."""
+        return any(g is not None and _captured(g) for g in (r() for r in self._graphs))
+
+
+def pool_writers(pool: PoolHandle, lease: PoolLease | None = None) -> PoolWriters | None:
+    """The graphs captured into ``pool`` and still holding their capture, but for ``lease``'s
+    (the capture asking); None if there is none."""
+    pool = tuple(pool)
+    mine = lease._graphs[0] if lease is not None and lease._graphs else None
+    # torch keeps no registry of its graphs by pool (a pool id leads to no CUDAGraph object): the
+    # collector's list of tracked objects is the one place every live CUDAGraph can be found. Asked
+    # once per foreign pool per capture, never at replay.
+    graphs = [
+        obj for obj in gc.get_objects()
+        if issubclass(type(obj), torch.cuda.CUDAGraph) and not isinstance(obj, SegmentGraph) and obj is not mine
+        and _captured(obj) and tuple(obj.pool()) == pool
+    ]
+    return PoolWriters(pool, graphs) if graphs else None
+
+
 _HOST_COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+_GLOBAL_POOL = (0, 0)
 
 
 class SegmentMap:
@@ -136,18 +206,41 @@ class SegmentMap:
 
     :meth:`external` tells a storage that lives outside the capture's own
     ``pools`` (the global pool, other graphs' pools, pinned host memory) from
-    one inside them, or in a segment allocated since (the capture's own).
+    one inside them, or in a segment allocated since (the capture's own);
+    :meth:`writers` tells which other graphs' pool a storage lives in.
+
+    Arguments:
+        pools: the capture's own pools.
+        lease: the capture's lease on a pool it may share with other graphs: then
+            a tensor allocated in that pool before the capture began (another
+            graph's output) is external too, and rewritten by the pool's other graphs.
     """
 
-    def __init__(self, pools: Iterable[PoolHandle]) -> None:
+    def __init__(self, pools: Iterable[PoolHandle], lease: PoolLease | None = None) -> None:
         own = {tuple(p) for p in pools}
-        ranges = sorted(
-            (int(seg["address"]), int(seg["address"]) + int(seg["total_size"]),
-             tuple(seg.get("segment_pool_id", (0, 0))) in own)
-            for seg in segments()
-        )
-        self._starts = [start for start, _, _ in ranges]
+        shared = tuple(lease.pool) if lease is not None else None
+        self._lease = lease
+        ranges = []
+        self._before: set[int] = set()  # blocks of the shared pool in use when the capture began
+        for seg in segments():
+            start, pool = int(seg["address"]), tuple(seg.get("segment_pool_id", _GLOBAL_POOL))
+            ranges.append((start, start + int(seg["total_size"]), pool in own, pool))
+            if pool == shared:
+                address = start
+                for block in seg["blocks"]:
+                    if block["state"] == "active_allocated":
+                        self._before.add(address)
+                    address += int(block["size"])
+        ranges.sort()
+        self._starts = [start for start, _, _, _ in ranges]
         self._ranges = ranges
+        self._writers: dict[PoolHandle, PoolWriters | None] = {}
+
+    def _range(self, ptr: int) -> tuple[int, int, bool, PoolHandle] | None:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0 or ptr >= self._ranges[i][1]:
+            return None
+        return self._ranges[i]
 
     def external(self, op: Any, t: torch.Tensor, ptr: int) -> bool:
         """Whether ``t`` (storage address ``ptr``), an argument of ATen operation ``op``, lives
@@ -158,11 +251,19 @@ class SegmentMap:
             return op in _HOST_COPIES and t.is_pinned()
         if kind != "cuda":
             return False
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0:
-            return False
-        _, end, own = self._ranges[i]
-        return ptr < end and not own
+        found = self._range(ptr)
+        return found is not None and (not found[2] or ptr in self._before)
+
+    def writers(self, ptr: int) -> PoolWriters | None:
+        """The other live graphs whose private pool holds the device storage at ``ptr`` (None: it
+        lives in the global pool, or in a pool no other live graph was captured into)."""
+        found = self._range(ptr)
+        if found is None or found[3] == _GLOBAL_POOL:
+            return None
+        pool = found[3]
+        if pool not in self._writers:
+            self._writers[pool] = pool_writers(pool, self._lease)
+        return self._writers[pool]
 
 
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from bcg.core.bridge import BridgeSet
 from bcg.core.compiled import CompileWatch
 from bcg.core.debug import Debug, Guards, Poison
 from bcg.core.plan import BreakpointStep, Recording, SegmentStep, Step
-from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, SegmentMap, graph_pool_handle
+from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, SegmentGraph, SegmentMap, graph_pool_handle
 from bcg.core.process import capture_lock, capture_stream, capturing, release_when_safe
 from bcg.core.storages import StorageWatch
 from bcg.core.torch_internals import clear_cublas_workspaces, end_allocate_to_pool
@@ -124,6 +124,7 @@ class CaptureSession(Recorder):
         replay_stream: torch.cuda.Stream | None = None,
         barrier: Callable[[], None] | None = None,
         split_staged: bool = False,
+        owner: str = "a bcg graph",
     ) -> None:
         super().__init__()
         self._barrier = barrier
@@ -133,7 +134,7 @@ class CaptureSession(Recorder):
         self.stager = stager  # records staged breakpoints inline (a bcg.staged.staging.Stager)
         self.pool = pool
         self.owns_pool = owns_pool
-        self.lease = PoolLease(device, pool, stream)
+        self.lease = PoolLease(device, pool, stream, owner)
         self._membership = PoolMembership(pool, device)
         self._after_breakpoint = after_breakpoint
         self.stream = stream
@@ -150,7 +151,8 @@ class CaptureSession(Recorder):
         self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
         self.stage_at: int | None = None  # the plan index the staged copies start at (see staging_point)
         # the storages outside the pool that captured operations read (see bcg.core.storages)
-        self.watch = StorageWatch(SegmentMap([pool]).external, recording=self.recording_segment)
+        segment_map = SegmentMap([pool], self.lease)
+        self.watch = StorageWatch(segment_map.external, recording=self.recording_segment, writers=segment_map.writers)
 
     def recording_segment(self) -> bool:
         """Whether a segment is open (its operations are captured; not a breakpoint's eager run)."""
@@ -162,7 +164,7 @@ class CaptureSession(Recorder):
 
     # -- segments ---------------------------------------------------------------------------
     def open_segment(self) -> None:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph = SegmentGraph(keep_graph=True)
         _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
         self._current = graph
         self._switch_nodes = {}
@@ -457,7 +459,7 @@ class Capture:
             self._session = CaptureSession(
                 pool, stream, options.capture_error_mode, device, self._stager, options.after_breakpoint,
                 owns_pool=options.pool is None, inline=options.inline, replay_stream=self._ambient,
-                barrier=options.barrier, split_staged=options.split_staged,
+                barrier=options.barrier, split_staged=options.split_staged, owner=_owner(),
             )
         except BaseException:
             self._capturing.__exit__(None, None, None)
@@ -692,6 +694,12 @@ def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, str
         raise
 
 
+def _owner() -> str:
+    """The graph a capture starting here fills, named for errors by the user's line that started it."""
+    where = user_line(traceback.extract_stack()[:-2])
+    return f"the bcg graph captured at {where}" if where else "a bcg graph"
+
+
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
     """``graph.capture_end``, without torch's warning for an empty graph (consecutive breakpoints)."""
     with warnings.catch_warnings():
@@ -715,9 +723,10 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
     stream = capture_stream(device)
     with capturing():
         stream.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph = SegmentGraph(keep_graph=True)
         pools = [pool] if graph_pool is None else [pool, graph_pool]
-        watch = StorageWatch(SegmentMap(pools).external, recording=lambda: True)
+        segment_map = SegmentMap(pools)
+        watch = StorageWatch(segment_map.external, recording=lambda: True, writers=segment_map.writers)
         try:
             with torch.cuda.stream(stream):
                 _begin_capture(graph, pool, "thread_local", stream)

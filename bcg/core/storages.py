@@ -17,6 +17,19 @@ region, the region's inputs that Inductor's generated code views). When all of t
 the graph still holds it, and raises :class:`bcg.errors.StaleTensorError` if not.
 A replay with no suspect pays one list check.
 
+Two kinds of storage are held without being watched, since no replay reads
+old values from them:
+
+* **Scratch**: the capture's first access to the storage overwrote all of it
+  (``fill_``, ``zero_``, ``copy_``, a random fill, an ``out=`` argument,
+  covering every byte and reading none of them), so every replay writes it
+  before reading it. Dropping it changes nothing.
+* **Another graph's output**: the storage lives in the private pool of
+  another graph (bcg's or a ``torch.cuda.CUDAGraph``) that still holds its
+  capture; that graph's replay rewrites it, as chained graphs expect. Once
+  that graph is reset or freed, a replay that finds the storage held by
+  nothing but bcg raises :class:`bcg.errors.StaleTensorError` naming it.
+
 What it cannot see: memory a kernel reaches without an ATen operation taking
 the tensor as an argument -- raw pointers handed to Triton kernels or C++/CUDA
 extensions (inside ``torch.compile``'d regions, tensors only Inductor's Triton
@@ -34,9 +47,9 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from bcg.core.torch_internals import TorchDispatchMode, storage_use_count, view_base, without_mode
@@ -46,6 +59,20 @@ log = logging.getLogger("bcg")
 
 _MAX_WATCHERS = 8  # tensor objects watched per storage
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+# in-place operations that write every element of their first argument without reading it
+_OVERWRITES = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
+                 "geometric_", "cauchy_", "log_normal_", "bernoulli_")
+)
+
+
+class Writers(Protocol):
+    """The graphs that rewrite a storage at their replay (:class:`bcg.core.pool.PoolWriters`)."""
+
+    name: str
+
+    def alive(self) -> bool: ...
 
 
 def _user_frame() -> FrameType | None:
@@ -59,11 +86,16 @@ def _user_frame() -> FrameType | None:
 class _Storage:
     """One storage a capture read: held strongly, with weak references to the tensors that reach it."""
 
-    __slots__ = ("storage", "ptr", "what", "where", "_refs", "_on_gone", "_bcg_refs")
+    __slots__ = ("storage", "ptr", "what", "where", "scratch", "writers", "_refs", "_on_gone", "_bcg_refs")
 
-    def __init__(self, storage: torch.UntypedStorage, t: torch.Tensor, op: str) -> None:
+    def __init__(self, storage: torch.UntypedStorage, t: torch.Tensor, op: str, scratch: bool | None = False,
+                 writers: Writers | None = None) -> None:
         self.storage = storage
         self.ptr = storage.data_ptr()
+        # the first access that touched its data overwrote all of it: held, never checked
+        # (None: only views of it were made so far, which touch no data)
+        self.scratch: bool | None = scratch
+        self.writers = writers  # the other graphs whose replay rewrites it (it lives in their pool)
         self.what = f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
         frame = _user_frame()
@@ -112,6 +144,51 @@ class _Storage:
         return storage_use_count(self.storage) - 1 - self._bcg_refs > 0
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are every byte of its storage, each once."""
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    if t.storage_offset() != 0 or t.numel() * t.element_size() != nbytes:
+        return False
+    expected = 1
+    for size, stride in sorted((s, st) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _overwritten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[int]:
+    """The storages ``func`` writes whole without reading them: the first argument of an
+    overwriting in-place operation, or ``out=`` arguments, that cover their storage, when no
+    argument the operation reads shares that storage."""
+    targets: list[torch.Tensor] = []
+    reads: list[Any] = list(kwargs.items())
+    if getattr(func, "overloadpacket", None) in _OVERWRITES and args:
+        targets.extend(_tensors(args[0]))
+        reads.extend(enumerate(args[1:]))
+    else:
+        reads.extend(enumerate(args))
+    schema = getattr(func, "_schema", None)
+    outs = {a.name for a in schema.arguments if a.is_out} if schema is not None else set()
+    if outs:
+        targets.extend(t for name in outs for t in _tensors(kwargs.get(name)))
+        reads = [(k, v) for k, v in reads if k not in outs]
+    if not targets:
+        return frozenset()
+    read = {_ptr(t) for _, v in reads for t in _tensors(v)}
+    return frozenset(p for p in (_ptr(t) for t in targets if _covers_storage(t)) if p not in read)
+
+
 def _ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -135,6 +212,8 @@ class HeldStorages:
         self.alarm = alarm
         self._bcg_tensors: Callable[[], Iterable[torch.Tensor]] = tuple
         for s in storages:
+            if s.scratch:
+                continue  # every replay writes it before reading it
             if not s.arm(self._post):
                 self._post(s)  # reached only through temporaries: checked at every replay
 
@@ -163,11 +242,23 @@ class HeldStorages:
 def check_alarm(alarm: list[tuple[HeldStorages, _Storage]]) -> None:
     """Raise :class:`bcg.errors.StaleTensorError` for a posted storage nothing but bcg holds any more.
 
-    Storages still held elsewhere stay posted (checked again at the next replay).
+    Storages still held elsewhere, or in the pool of another graph that still holds its
+    capture, stay posted (checked again at the next replay).
     """
     for held, s in list(alarm):
-        if not s.held_elsewhere(held._bcg_tensors):
+        if s.held_elsewhere(held._bcg_tensors):
+            continue
+        if s.writers is not None:
+            if s.writers.alive():
+                continue  # that graph's replay rewrites it
             raise StaleTensorError(
+                f"bcg: this replay would read {s.what}, an output of another graph that was reset or "
+                f"freed ({s.writers.name}). {held.where[:1].upper()}{held.where[1:]} read it (first used by the capture "
+                f"in {s.where}); no replay rewrites it any more and nothing but this graph references it. "
+                "Keep that graph captured for as long as this one replays (reset it after this one), or "
+                "reset() this graph and capture it again on tensors that live on. Nothing was launched."
+            )
+        raise StaleTensorError(
                 f"bcg: this replay would read a replaced tensor: {s.what}, read by {held.where} "
                 f"(first used by the capture in {s.where}), is no longer referenced by anything but "
                 "this graph. The graph keeps its memory alive, so a replay would compute with the old "
@@ -186,6 +277,8 @@ class StorageWatch(TorchDispatchMode):
             :class:`bcg.core.pool.SegmentMap`).
         recording: whether the operations running now are being captured
             (False while a breakpoint runs eagerly between segments).
+        writers: ``writers(storage_ptr)``: the other live graphs whose pool holds
+            a device storage, or None (:meth:`bcg.core.pool.SegmentMap.writers`).
     """
 
     # compiled graphs call breakpoints' ops through higher-order operators (auto_functionalized)
@@ -197,10 +290,12 @@ class StorageWatch(TorchDispatchMode):
         # mode; this one only looks, so compiled regions stay compiled while it watches.
         return True
 
-    def __init__(self, external: Callable[[Any, torch.Tensor, int], bool], recording: Callable[[], bool]) -> None:
+    def __init__(self, external: Callable[[Any, torch.Tensor, int], bool], recording: Callable[[], bool],
+                 writers: Callable[[int], Writers | None] = lambda ptr: None) -> None:
         super().__init__()
         self._external = external
         self._recording = recording
+        self._writers = writers
         self._held: dict[int, _Storage] = {}
         self._skip: set[int] = set()
         self.unseen = 0  # tensor arguments without a storage bcg can hold (wrapper subclasses)
@@ -208,21 +303,23 @@ class StorageWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self._recording():
-            self._see(func, args)
+            # (a view touches no data: whether a storage is scratch waits for the first op that does)
+            overwritten = None if getattr(func, "is_view", False) else _overwritten(func, args, kwargs)
+            self._see(func, args, overwritten)
             if kwargs:
-                self._see(func, kwargs.values())
+                self._see(func, kwargs.values(), overwritten)
         return func(*args, **kwargs)
 
-    def _see(self, func: Any, values: Iterable[Any]) -> None:
+    def _see(self, func: Any, values: Iterable[Any], overwritten: frozenset[int] | None) -> None:
         for value in values:
             if isinstance(value, torch.Tensor):
-                self._see_tensor(func, value)
+                self._see_tensor(func, value, overwritten)
             elif isinstance(value, (list, tuple)):
                 for item in value:
                     if isinstance(item, torch.Tensor):
-                        self._see_tensor(func, item)
+                        self._see_tensor(func, item, overwritten)
 
-    def _see_tensor(self, func: Any, t: torch.Tensor) -> None:
+    def _see_tensor(self, func: Any, t: torch.Tensor, overwritten: frozenset[int] | None) -> None:
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -237,7 +334,9 @@ class StorageWatch(TorchDispatchMode):
                 if t.device.type != "cpu":  # (a host tensor is asked again: only a copy reads it)
                     self._skip.add(ptr)
                 return
-            held = self._held[ptr] = _Storage(storage, t, str(func))
+            held = self._held[ptr] = _Storage(storage, t, str(func), scratch=None, writers=self._writers(ptr))
+        if held.scratch is None and overwritten is not None:
+            held.scratch = ptr in overwritten
         held.watch(t)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
