@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from bcg.core.args import check_choice, check_pool, check_stream, check_type
 from bcg.core.breakpoint import UNSET
 from bcg.core.debug import Debug
 from bcg.core.plan import Recording
 from bcg.core.pool import PoolHandle
-from bcg.core.session import Capture, CaptureOptions
+from bcg.core.session import CAPTURE_ERROR_MODES, Capture, CaptureOptions
 from bcg.errors import CaptureError
 from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
@@ -31,16 +32,21 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     breakpoint, segment, ... in stream order.
 
     Arguments:
-        graph: the graph to fill (empty, or reset).
+        graph: the :class:`bcg.BreakableGraph` to fill (empty, or reset).
         pool: a private memory pool to share with other graphs (``graph.pool()``
             or :func:`bcg.graph_pool_handle`); default: a new one.
-        stream: the capture stream; default: bcg's capture stream of the device.
-        capture_error_mode: as in ``torch.cuda.graph``.
+        stream: the capture stream, a ``torch.cuda.Stream``; default: bcg's
+            capture stream of the device.
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``, as in ``torch.cuda.graph``.
         live: what :func:`bcg.live` returns inside breakpoints during capture.
         variants: a :class:`bcg.VariantPolicy`, the bounds of keyed breakpoints'
             variants and stitched executables (default: its defaults).
         debug: a :class:`bcg.Debug`, aids checked before every replay (default:
             ``BCG_GUARDS`` and ``BCG_POISON`` from the environment).
+
+    Arguments are checked at construction: a wrong type raises ``TypeError``,
+    a value not offered ``ValueError``, naming the argument, what it got and
+    what it expects.
 
     Constraints:
         * Warm the code up eagerly first: lazy initialization and torch.compile's
@@ -77,6 +83,12 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         variants: VariantPolicy | None = None,
         debug: Debug | None = None,
     ) -> None:
+        if not isinstance(graph, BreakableGraph):
+            hint = "pass the graph to fill: bcg.BreakableGraph()"
+            if callable(graph):
+                hint += "; to capture a function, use bcg.make_graph(fn, *args)"
+            check_type("bcg.capture", "graph", graph, BreakableGraph, "a bcg.BreakableGraph", hint=hint)
+        check_capture_options("bcg.capture", pool, stream, capture_error_mode, variants, debug)
         self.graph = graph
         self._options = CaptureOptions(pool=pool, stream=stream, capture_error_mode=capture_error_mode, live=live,
                                        debug=debug if debug is not None else Debug.from_env())
@@ -104,6 +116,19 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
         if exc is None and cap.recording is not None:
             _install(self.graph, cap.recording, None, self._variants)
         return suppress
+
+
+def check_capture_options(where: str, pool: Any, stream: Any, capture_error_mode: Any, variants: Any,
+                          debug: Any) -> None:
+    """The capture options ``bcg.capture``, ``bcg.make_graph`` and ``bcg.GraphRunner`` share, checked
+    (``TypeError`` or ``ValueError`` naming the first that is wrong; ``where`` names the entry point)."""
+    check_pool(where, pool)
+    check_stream(where, stream)
+    check_choice(where, "capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES,
+                 hint="as in torch.cuda.graph")
+    check_type(where, "variants", variants, VariantPolicy, "a bcg.VariantPolicy", optional=True)
+    check_type(where, "debug", debug, Debug, "a bcg.Debug", optional=True,
+               hint="e.g. debug=bcg.Debug(guards=True)")
 
 
 def capture_into(

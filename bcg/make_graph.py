@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from bcg.capture import capture_into
+from bcg.capture import capture_into, check_capture_options
+from bcg.core.args import check_callable, check_choice, check_int
 from bcg.core.breakpoint import UNSET, recording
 from bcg.core.debug import Debug
 from bcg.core.plan import GraphSource, Recording
@@ -52,15 +53,17 @@ def make_graph(
     eager mode with a warning.
 
     Arguments:
-        fn, static_args: the function and its inputs (feed new inputs by writing
-            into ``static_args`` in place; ``Debug(guards=True)`` checks it).
+        fn, static_args: the function (callable) and its inputs (feed new inputs by
+            writing into ``static_args`` in place; ``Debug(guards=True)`` checks it).
+        mode: ``"graph"`` or ``"eager"``.
         live, pool, stream, capture_error_mode, variants, debug: as in :class:`bcg.capture`.
-        warmup: eager runs before the capture.
+        warmup: eager runs before the capture (an int >= 0).
 
-    ``fn`` must return the same structure every run.
+    ``fn`` must return the same structure every run. Arguments are checked
+    before anything runs: a wrong type raises ``TypeError``, a value out of range
+    ``ValueError``, naming the argument, what it got and what it expects.
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
+    _check_arguments(fn, static_args, mode, pool, stream, capture_error_mode, warmup, variants, debug)
     if mode == "graph" and not torch.cuda.is_available():
         warnings.warn(
             "bcg.make_graph: CUDA is not available, falling back to mode='eager' "
@@ -110,3 +113,16 @@ def make_graph(
     graph.outputs = outputs
     graph.source = source
     return graph
+
+
+def _check_arguments(fn: Any, static_args: tuple[Any, ...], mode: Any, pool: Any, stream: Any,
+                     capture_error_mode: Any, warmup: Any, variants: Any, debug: Any) -> None:
+    where = "bcg.make_graph"
+    if not callable(fn):
+        hint = "the signature is make_graph(fn, *static_args)"
+        if any(callable(a) for a in static_args):
+            hint = "did you swap fn and the static arguments? " + hint
+        check_callable(where, "fn", fn, hint=hint)
+    check_choice(where, "mode", mode, _MODES)
+    check_int(where, "warmup", warmup, minimum=0, hint="it counts the eager runs before the capture (0: none)")
+    check_capture_options(where, pool, stream, capture_error_mode, variants, debug)

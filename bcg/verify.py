@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from bcg.core.torch_internals import pytree
 
+from bcg.core.args import check_bool, check_callable, check_real, fail
 from bcg.core.breakpoint import BreakpointSpec, Recorder, live_scope, recording
 from bcg.errors import VerificationError
 from bcg.graph import BreakableGraph, copy_outputs_into
@@ -160,10 +161,11 @@ def verify(
     once) and compared again, so a key that misses a field is caught when two
     samples share it. Give repeated samples to exercise stitched replays.
     Raises :class:`VerificationError` on a mismatch unless
-    ``raise_on_mismatch=False``.
+    ``raise_on_mismatch=False``; ``TypeError`` or ``ValueError`` naming an argument
+    that is wrong (``fn`` and ``make_inputs`` callable, ``live_samples`` a non-empty
+    sequence, ``rtol``/``atol`` numbers >= 0).
     """
-    if not live_samples:
-        raise ValueError("verify needs at least one live sample")
+    _check_arguments(fn, make_inputs, live_samples, rtol, atol, raise_on_mismatch)
     if isinstance(fn, BreakableGraph):
         graph = fn
     else:
@@ -194,6 +196,26 @@ def verify(
         raise VerificationError(str(report), report)
     log.info("%s", report)
     return report
+
+
+def _check_arguments(fn: Any, make_inputs: Any, live_samples: Any, rtol: Any, atol: Any,
+                     raise_on_mismatch: Any) -> None:
+    where = "bcg.verify"
+    if not isinstance(fn, BreakableGraph):
+        check_callable(where, "fn", fn, expects="a function or a graph made by bcg.make_graph",
+                       hint="the signature is verify(fn, make_inputs, live_samples, ...)")
+    if not callable(make_inputs):
+        hint = "pass a function that returns fresh inputs, e.g. make_inputs=lambda: (torch.randn(8),)"
+        check_callable(where, "make_inputs", make_inputs, expects="a function returning fresh inputs", hint=hint)
+    if isinstance(live_samples, (str, bytes)) or not isinstance(live_samples, Sequence):
+        fail(where, "live_samples", "a sequence (a list or tuple) of live values, one per sample", live_samples,
+             "e.g. live_samples=[meta_a, meta_b], or [None] for a graph that reads no live metadata")
+    if not live_samples:
+        fail(where, "live_samples", "a non-empty sequence", live_samples,
+             "verify needs at least one live sample ([None] for a graph that reads no live metadata)", ValueError)
+    check_real(where, "rtol", rtol, minimum=0.0)
+    check_real(where, "atol", atol, minimum=0.0)
+    check_bool(where, "raise_on_mismatch", raise_on_mismatch)
 
 
 def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[torch.Tensor], tuple[Step, ...]]:

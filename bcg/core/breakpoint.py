@@ -28,9 +28,12 @@ import torch
 from bcg.core.compiled import opaque_op
 from bcg.core.torch_internals import pytree
 
+from bcg.core.args import check_bool, check_callable, check_type, describe, fail
 from bcg.errors import LiveReadInSegmentError, user_line
 
 log = logging.getLogger("bcg")
+
+_WHERE = "bcg.breakpoint"
 
 # -- live metadata ---------------------------------------------------------------------------
 
@@ -139,10 +142,13 @@ def normalize_mutates(fn: Callable[..., Any], mutates: Any) -> tuple[str, ...] |
     """
     if mutates is None:
         return None
+    expects = "the names of parameters (strings: one name, or a tuple of names)"
+    if not isinstance(mutates, (str, tuple, list, set, frozenset)):
+        fail(_WHERE, "mutates", expects, mutates, "e.g. mutates='out' or mutates=('k_cache', 'v_cache')")
     names = (mutates,) if isinstance(mutates, str) else tuple(mutates)
-    for name in names:
+    for i, name in enumerate(names):
         if not isinstance(name, str):
-            raise TypeError(f"mutates must name parameters (strings), got {name!r}")
+            fail(_WHERE, f"mutates[{i}]", "a parameter name (strings only)", name)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and C functions: nothing to check against
@@ -364,7 +370,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         enabled: a bool, or a zero-argument callable asked at each capture-time
             call; a disabled breakpoint is captured into the segment like any code.
         capture_stub: run instead of ``fn`` during capture.
-        name: for messages and stats (default: the function's qualified name).
+        name: a str, for messages and stats (default: the function's qualified name).
         mutates: the parameters written in place (a name or a tuple of names,
             checked against the signature: ``TypeError`` otherwise; default:
             any tensor argument may be); padding sanitizers run on exactly those.
@@ -381,6 +387,12 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             ``torch.compile``d code: a function of the same arguments that
             returns empty tensors of the results' shapes and dtypes (what
             ``torch.library.register_fake`` takes); see below.
+
+    Every argument is checked at decoration: ``fn``, ``capture_stub``,
+    ``prepare``, ``fits``, ``key`` and ``fake`` must be callable (or ``None``),
+    ``enabled`` a bool or a callable, ``name`` a str; a wrong one raises
+    ``TypeError`` naming it, what it got and what it expects (``bcg.breakpoint(42)``
+    raises there, not at the first call).
 
     Constraints:
         * Tensor arguments are held by the graph and passed again, at the same
@@ -402,17 +414,10 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
           may be written, which costs the compiled code copies). A breakpoint
           that cannot be an op is a Dynamo graph break instead.
     """
-    if (prepare is None) != (fits is None):
-        raise TypeError("@bcg.breakpoint: give prepare= and fits= together (a staged breakpoint needs both)")
-    if key is not None and not callable(key):
-        raise TypeError(f"@bcg.breakpoint: key= takes a function of the live metadata, not {key!r}")
-    if capture_stub is not None and prepare is not None:
-        raise TypeError(
-            "@bcg.breakpoint: a staged breakpoint (prepare=/fits=) is captured by running its function "
-            "inline, so it takes no capture_stub"
-        )
+    _check_options(fn, enabled, capture_stub, name, prepare, fits, key, fake)
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        check_callable(_WHERE, "fn", f, expects="a function to decorate")
         spec = BreakpointSpec(
             fn=f,
             name=name or getattr(f, "__qualname__", repr(f)),
@@ -450,6 +455,38 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _check_options(fn: Any, enabled: Any, capture_stub: Any, name: Any, prepare: Any, fits: Any, key: Any,
+                   fake: Any) -> None:
+    """The decorator's arguments (``mutates`` is checked against the function's signature, in
+    :func:`normalize_mutates`); ``TypeError`` naming the first one that is wrong."""
+    if fn is not None:
+        hint = "use @bcg.breakpoint on a function, or @bcg.breakpoint(...) with keyword options"
+        if isinstance(fn, str):
+            hint = f"options are keyword arguments: @bcg.breakpoint(name={fn!r})"
+        check_callable(_WHERE, "fn", fn, expects="a function to decorate", hint=hint)
+    if not callable(enabled):
+        check_bool(_WHERE, "enabled", enabled, expects="True, False, or a zero-argument function returning a bool")
+    check_callable(_WHERE, "capture_stub", capture_stub, optional=True)
+    check_type(_WHERE, "name", name, str, "a str", optional=True)
+    check_callable(_WHERE, "prepare", prepare, optional=True,
+                   expects="a function of the live metadata (prepare(live))")
+    check_callable(_WHERE, "fits", fits, optional=True,
+                   expects="a function of the live metadata (fits(live) or fits(live, staged))")
+    check_callable(_WHERE, "key", key, optional=True, expects="a function of the live metadata",
+                   hint="key= takes a function of the live metadata that returns a hashable value")
+    check_callable(_WHERE, "fake", fake, optional=True)
+    if (prepare is None) != (fits is None):
+        given, missing = ("prepare", "fits") if fits is None else ("fits", "prepare")
+        raise TypeError(
+            f"{_WHERE}: prepare and fits must be given together (a staged breakpoint needs both), got "
+            f"{given}={describe(prepare if fits is None else fits)} and {missing}=None; give prepare= and "
+            "fits= together"
+        )
+    if capture_stub is not None and prepare is not None:
+        fail(_WHERE, "capture_stub", "None for a staged breakpoint (prepare=/fits=)", capture_stub,
+             "a staged breakpoint is captured by running its function inline, so it takes no capture_stub")
 
 
 def graph_break() -> None:

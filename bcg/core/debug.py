@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from bcg.core.torch_internals import pytree
 
+from bcg.core.args import check_bool
 from bcg.core.env import env_flag
 from bcg.core.pool import PoolHandle, poison_free_pool_memory
 from bcg.errors import GuardError
@@ -39,11 +40,15 @@ class Debug:
             reading), with NaN: a read of memory nothing wrote shows up as NaN.
 
     ``bcg.capture(..., debug=None)`` (the default) reads ``BCG_GUARDS`` and
-    ``BCG_POISON`` from the environment.
+    ``BCG_POISON`` from the environment. Both are bools (``TypeError`` otherwise).
     """
 
     guards: bool = False
     poison: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("bcg.Debug", "guards", self.guards)
+        check_bool("bcg.Debug", "poison", self.poison)
 
     @classmethod
     def from_env(cls) -> Debug:

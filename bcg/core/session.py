@@ -57,7 +57,7 @@ from bcg.errors import (
 
 log = logging.getLogger("bcg")
 
-_CAPTURE_MODES = ("global", "thread_local", "relaxed")
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 # CUDA's texts for the ways a capture is invalidated (cudaGetErrorString), by cause.
 _HOST_SYNC_HINTS = (
@@ -390,9 +390,9 @@ class CaptureOptions:
     split_staged: bool = False
 
     def __post_init__(self) -> None:
-        if self.capture_error_mode not in _CAPTURE_MODES:
+        if self.capture_error_mode not in CAPTURE_ERROR_MODES:
             raise ValueError(
-                f"capture_error_mode must be one of {_CAPTURE_MODES}, not {self.capture_error_mode!r}"
+                f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, not {self.capture_error_mode!r}"
             )
 
 

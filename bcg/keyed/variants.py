@@ -60,6 +60,7 @@ import torch
 from bcg.core.torch_internals import TorchDispatchMode
 
 from bcg.core import cudart
+from bcg.core.args import check_bool, check_int, check_real
 from bcg.core.breakpoint import BreakpointSpec, live, tensor_leaves
 from bcg.core.session import capture_call
 from bcg.errors import VerificationError
@@ -101,7 +102,10 @@ class VariantPolicy:
         stitch: launch a replay whose breakpoints all hit as one stitched graph.
 
     The bounds hold per graph: a ``GraphRunner``'s buckets, and a staged
-    graph's breakable form, each keep their own.
+    graph's breakable form, each keep their own. The counts and byte bounds are
+    ints (``max_variants``, ``max_stitched`` and ``window`` >= 1, the others >= 0),
+    ``min_hit_rate`` a number in ``[0, 1]``, ``stitch`` a bool: anything else
+    raises ``TypeError`` (a wrong type) or ``ValueError`` (out of range) at construction.
     """
 
     max_variants: int = 64
@@ -114,14 +118,14 @@ class VariantPolicy:
     stitch: bool = True
 
     def __post_init__(self) -> None:
+        where = "bcg.VariantPolicy"
         for name in ("max_variants", "max_stitched", "window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"VariantPolicy.{name} must be at least 1, not {getattr(self, name)}")
+            check_int(where, name, getattr(self, name), minimum=1)
         for name in ("max_variant_bytes", "max_stitched_bytes", "audit_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"VariantPolicy.{name} must not be negative, not {getattr(self, name)}")
-        if not 0.0 <= self.min_hit_rate <= 1.0:
-            raise ValueError(f"VariantPolicy.min_hit_rate is a share between 0 and 1, not {self.min_hit_rate}")
+            check_int(where, name, getattr(self, name), minimum=0)
+        check_real(where, "min_hit_rate", self.min_hit_rate, minimum=0.0, maximum=1.0,
+                   hint="it is the share of replays a breakpoint's variants must serve")
+        check_bool(where, "stitch", self.stitch)
 
 
 def variant_key(spec: BreakpointSpec, value: Any) -> Hashable:

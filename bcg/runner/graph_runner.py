@@ -28,6 +28,7 @@ from bcg.distributed.agreement import CaptureVote, RankAgreement
 from bcg.errors import BcgError, CaptureError, ReplayError, add_note
 from bcg.graph import BreakableGraph, copy_outputs_into
 from bcg.keyed.variants import VariantPolicy
+from bcg.runner.arguments import check_runner_arguments
 from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket
 from bcg.runner.inputs import PADDED, StaticInputs, check_inputs, describe_inputs
 from bcg.runner.padding import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
@@ -58,7 +59,6 @@ _ROUTE = "route (k >= 0 form k, {}, {} raised)".format(
 )
 
 
-_MODES = ("graph", "eager")
 _NOT_EAGER = object()  # _eager_while_capturing: the call goes the usual way, under the call lock
 
 _current_device = stream_readers()[0]
@@ -147,6 +147,12 @@ class GraphRunner:
 
     ``docs/runner.md`` says how a call runs: fallbacks, padded-row
     sanitizing, output lifetimes and thread safety.
+
+    Every argument is checked before anything is built
+    (:func:`bcg.runner.arguments.check_runner_arguments`): ``buckets`` ints >= 1,
+    ``pad_dim`` an int or one int or ``None`` per input, ``max_padding_ratio``
+    in ``[0, 1)``, the flags bools; a wrong type raises ``TypeError``, a value
+    out of range ``ValueError``, naming the argument, what it got and what it expects.
     """
 
     def __init__(
@@ -170,14 +176,8 @@ class GraphRunner:
         ranks: RankAgreement | None = None,
         lazy: bool = False,
     ) -> None:
-        if not callable(forward):
-            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
-        if max_padding_ratio is not None and not 0.0 <= max_padding_ratio < 1.0:
-            raise ValueError(f"max_padding_ratio must be in [0, 1) or None, got {max_padding_ratio}")
-        if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
-            raise TypeError("example_inputs must be a tuple (or list) of forward's positional inputs")
+        check_runner_arguments(forward, buckets, example_inputs, pad_dim, mode, max_padding_ratio, copy_outputs,
+                               sanitize, pool, stream, capture_error_mode, progress, name, variants, ranks, lazy)
         self._forward = forward
         self.name = name or getattr(forward, "__qualname__", type(forward).__name__)
         self._buckets_list = normalize_buckets(default_buckets() if buckets is None else buckets)

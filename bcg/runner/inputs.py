@@ -4,6 +4,7 @@ and the static buffers every bucket's graph reads its inputs from."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from bcg.core import cudart
+from bcg.core.args import is_int
 from bcg.core.bridge import same_value
 
 PADDED, BY_REFERENCE, VALUE = "padded", "by_reference", "value"
@@ -49,10 +51,10 @@ class InputSpec:
 
 def describe_inputs(examples: tuple[Any, ...], pad_dim: int | Sequence[int | None]) -> list[InputSpec]:
     """One :class:`InputSpec` per example input; ``ValueError`` for a ``pad_dim`` that does not fit."""
-    if isinstance(pad_dim, int) and not isinstance(pad_dim, bool):
-        dims: list[int | None] = [pad_dim if isinstance(x, torch.Tensor) else None for x in examples]
+    if is_int(pad_dim):
+        dims: list[int | None] = [operator.index(pad_dim) if isinstance(x, torch.Tensor) else None for x in examples]
     else:
-        dims = list(pad_dim)  # type: ignore[arg-type]
+        dims = [None if d is None else operator.index(d) for d in pad_dim]  # type: ignore[union-attr]
         if len(dims) != len(examples):
             raise ValueError(
                 f"pad_dim has {len(dims)} entries but example_inputs has {len(examples)}: give one "

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from bcg.core import cudart
+from bcg.core.args import check_int, fail, is_int
 from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, Recorder, live
 from bcg.errors import CaptureError
 
@@ -74,10 +75,15 @@ class StagingBuffer:
     """A static device tensor whose value is written on the host at every replay.
 
     Arguments:
-        shape: the buffer's shape (fixed: the static bound, e.g. request slots + 1).
-        dtype: its dtype.
-        device: the device tensor's device (default: the current CUDA device, or
-            the CPU when CUDA is unavailable, where no copy is pinned).
+        shape: the buffer's shape, an int or a tuple of ints >= 0 (fixed: the
+            static bound, e.g. request slots + 1).
+        dtype: its dtype: a ``torch`` integer, bool or float16/32/64 dtype.
+        device: the device tensor's device: a ``torch.device``, a str or a CUDA
+            device index (default: the current CUDA device, or the CPU when CUDA
+            is unavailable, where no copy is pinned).
+
+    A wrong argument raises ``TypeError`` (a wrong type, a dtype it cannot
+    hold) or ``ValueError`` (a negative size, a device torch does not know).
 
     ``device`` is the tensor kernels read (its address never changes); ``host``
     is pinned host memory that :meth:`write` fills. Integer, bool and
@@ -90,10 +96,9 @@ class StagingBuffer:
     """
 
     def __init__(self, shape: int | Sequence[int], dtype: torch.dtype = torch.int32, device: Any = None) -> None:
+        device = _check_arguments(shape, dtype, device)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        if dtype not in _STRUCT_CODES:
-            raise TypeError(f"StagingBuffer holds integer, bool or float16/32/64 metadata, not {dtype}")
         self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
         cuda = self._device_tensor.device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
@@ -172,6 +177,31 @@ class StagingBuffer:
         cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
         self._read.record(stream)
         self._read_in_graph = True
+
+
+def _check_arguments(shape: Any, dtype: Any, device: Any) -> torch.device | None:
+    """``StagingBuffer``'s arguments, checked; returns ``device`` as a ``torch.device`` (None: the default)."""
+    where = "bcg.StagingBuffer"
+    if not is_int(shape):
+        if not isinstance(shape, (tuple, list, torch.Size)):
+            fail(where, "shape", "an int or a tuple of ints", shape, "e.g. StagingBuffer(slots + 1) or (rows, cols)")
+        for i, size in enumerate(shape):
+            check_int(where, f"shape[{i}]", size, minimum=0)
+    else:
+        check_int(where, "shape", shape, minimum=0)
+    if not isinstance(dtype, torch.dtype) or dtype not in _STRUCT_CODES:
+        hint = f"pass torch.{dtype}" if isinstance(dtype, str) and hasattr(torch, dtype) else ""
+        fail(where, "dtype", "a torch dtype of integer, bool or float16/32/64 metadata (e.g. torch.int32)", dtype,
+             hint)
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)) and not is_int(device):
+        fail(where, "device", "None, a torch.device, a str such as 'cuda:0', or a CUDA device index", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        fail(where, "device", "None, a torch.device, a str such as 'cuda:0', or a CUDA device index", device,
+             error=ValueError)
 
 
 @contextlib.contextmanager
