@@ -21,7 +21,7 @@ attention function like :func:`packed_attention`::
 then ``graph.replay(live=new_meta)`` after writing new ids and positions into
 ``ids`` and ``pos`` in place (or, for a ladder of token buckets, line 3 becomes
 ``bcg.GraphRunner(forward, buckets, example_inputs=(ids, pos), pad_dim=1,
-capture_live=...)``: see :func:`run_runner`).
+live=...)``: see :func:`run_runner`).
 
 What it checks and prints:
 
@@ -263,7 +263,7 @@ def run_runner(forward: Any, args: argparse.Namespace, vocab: int, gen: torch.Ge
     buckets = bcg.runner.geometric_buckets(max(1, T // 8), T)
     example = packed_inputs([T], T, vocab, gen, device)
     runner = bcg.GraphRunner(forward, buckets, example_inputs=example, pad_dim=1, mode=mode, progress=False,
-                             capture_live=lambda size: packed_live([size], device))
+                             live=lambda size: packed_live([size], device))
     runner.capture()
     n = args.runner_tokens or (T // 2 + T // 8 + 3 if T >= 8 else T)
     n = min(n, T)

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                           torch.zeros(1, 1, dtype=torch.long, device=device)),
         pad_dim=1, mode="graph" if device.type == "cuda" else "eager", progress=False,
         # the captures' warm-ups write K/V: only into the trash page
-        capture_live=lambda n: paged.PagedLive(paged.inert_batch(min(n, R), PAGE), requests=R, pages=pages,
+        live=lambda n: paged.PagedLive(paged.inert_batch(min(n, R), PAGE), requests=R, pages=pages,
                                                max_q=1),
     )
     with torch.no_grad():

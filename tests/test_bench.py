@@ -565,7 +565,7 @@ def test_lifecycle_report_on_a_cpu_runner() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # (no CUDA: eager mode)
             runner = bcg.GraphRunner(model, buckets, example_inputs=example, progress=False,
-                                     capture_live=lambda n: {"lengths": [n]}, **options)
+                                     live=lambda n: {"lengths": [n]}, **options)
         made.append(runner)
         return runner
 

@@ -165,7 +165,7 @@ def test_decode_steps_through_a_runner_match_eager_and_keep_the_cache_equal(stag
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # (no CUDA: eager mode)
         runner = bcg.GraphRunner(forward, buckets, example_inputs=(torch.zeros(1, model.hidden),
-                                 torch.zeros(1, dtype=torch.long)), capture_live=capture_live, progress=False)
+                                 torch.zeros(1, dtype=torch.long)), live=capture_live, progress=False)
     runner.capture()
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # the captures wrote only trash
         assert torch.equal(a[1:], b[1:])

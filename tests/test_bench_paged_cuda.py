@@ -118,7 +118,7 @@ def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_
         lambda x, pos: model.forward(x, pos, runner_layers), buckets,
         example_inputs=(torch.zeros(1, model.hidden, device="cuda", dtype=model.dtype),
                         torch.zeros(1, dtype=torch.long, device="cuda")),
-        capture_live=lambda n: paged.capture_lives(n, page, max_q=1, pages=bound, tiered=True),
+        live=lambda n: paged.capture_lives(n, page, max_q=1, pages=bound, tiered=True),
         progress=False,
     ).capture()
     ctx = [random.Random(r).randint(1, 160) for r in range(R)]

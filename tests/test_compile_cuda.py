@@ -95,7 +95,7 @@ def test_runner_recompiles_per_bucket_outside_the_capture(caplog: pytest.LogCapt
     graphs0 = _graphs_compiled()
     with caplog.at_level(logging.WARNING, logger="bcg"):
         runner = bcg.GraphRunner(compiled, buckets, example_inputs=example,
-                                 capture_live=lambda n: {"lengths": [n]}, progress=False).capture()
+                                 live=lambda n: {"lengths": [n]}, progress=False).capture()
     assert _graphs_compiled() - graphs0 >= len(buckets)  # one static compile (at least) per bucket
     assert not [r for r in caplog.records if "compiled" in r.getMessage()]  # none during a capture
     assert runner.stats()["failed_buckets"] == {}
@@ -117,7 +117,7 @@ def test_dynamic_compile_serves_every_bucket_from_one_compile() -> None:
     _compiled_eager(compiled, *_inputs(gen, 24))  # the one compile
     graphs0 = _graphs_compiled()
     runner = bcg.GraphRunner(compiled, buckets, example_inputs=example,
-                             capture_live=lambda n: {"lengths": [n]}, progress=False).capture()
+                             live=lambda n: {"lengths": [n]}, progress=False).capture()
     assert _graphs_compiled() == graphs0  # no bucket needed a new compile
     for n in random.Random(0).sample(buckets, len(buckets)):
         x, pos, live = _inputs(gen, n)
@@ -219,7 +219,7 @@ def test_a_staged_breakpoint_returning_its_result_in_a_whole_compiled_forward() 
 
     compiled = torch.compile(forward, fullgraph=True)
     x = torch.randn(T, HIDDEN, generator=gen).to("cuda")
-    runner = bcg.GraphRunner(compiled, [T], example_inputs=(x,), capture_live=1.0, progress=False).capture()
+    runner = bcg.GraphRunner(compiled, [T], example_inputs=(x,), live=1.0, progress=False).capture()
     assert runner.graph(T).stats().breakpoints == 0  # inline: one segment
     for s in (0.5, -1.25, 2.0):
         x = torch.randn(T, HIDDEN, generator=gen).to("cuda")

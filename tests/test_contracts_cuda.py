@@ -168,7 +168,7 @@ def test_padded_rows_are_zeroed_whoever_allocated_the_tensor(compiled: bool) -> 
     pool = bcg.graph_pool_handle()
     poison = _poison_pool(pool, stream)
     example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
-    runner = bcg.GraphRunner(model, [64, 256], example_inputs=example, capture_live=lambda n: {"lengths": [n]},
+    runner = bcg.GraphRunner(model, [64, 256], example_inputs=example, live=lambda n: {"lengths": [n]},
                              pool=pool, stream=stream, progress=False).capture()
     assert runner.captured_buckets == [64, 256]
     gen = torch.Generator().manual_seed(9)
@@ -268,7 +268,7 @@ def test_two_runners_capturing_on_two_threads() -> None:
         model = TinyLlama(layers=2, hidden=HIDDEN, heads=8, kv_heads=2, intermediate=512)
         example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
         runner = bcg.GraphRunner(model, [16, 32, 64, 128], example_inputs=example,
-                                 capture_live=lambda n: {"lengths": [n]}, progress=False)
+                                 live=lambda n: {"lengths": [n]}, progress=False)
         torch.cuda.synchronize()
         start.wait()
         runner.capture()
@@ -330,7 +330,7 @@ def _threaded_runner() -> tuple[bcg.GraphRunner, list[tuple[torch.Tensor, torch.
     model = TinyLlama(layers=4, hidden=HIDDEN, heads=8, kv_heads=2, intermediate=1024)
     example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
     runner = bcg.GraphRunner(model, [64, 128], example_inputs=example,
-                             capture_live=lambda n: {"lengths": [n]}, progress=False).capture()
+                             live=lambda n: {"lengths": [n]}, progress=False).capture()
     gen = torch.Generator().manual_seed(1)
     cases = []
     for T in (20, 64, 100, 128):

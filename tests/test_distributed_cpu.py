@@ -63,7 +63,7 @@ def _runner(rank: int, fail_bucket: int | None) -> Any:
     ranks = RankAgreement()
     net = _Net(rank, fail_bucket)
     runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
-                             capture_live=2.0, progress=False, ranks=ranks)
+                             live=2.0, progress=False, ranks=ranks)
     runner.capture()
     failed = sorted(runner.failed_buckets)
     outs = []
@@ -84,7 +84,7 @@ def _same_inputs(rank: int, diverge: bool, fail: bool = False) -> Any:
     ranks = RankAgreement(same_inputs=True)
     net = _Net(rank, None)
     runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
-                             capture_live=2.0, progress=False, ranks=ranks)
+                             live=2.0, progress=False, ranks=ranks)
     runner.capture()
 
     def no_exchange(values: Any) -> Any:
@@ -156,7 +156,7 @@ def _explicit_bucket(rank: int) -> Any:
     ranks = RankAgreement()
     net = _Net(rank, None)
     runner = bcg.GraphRunner(net, buckets=[16, 32], example_inputs=(torch.zeros(32, 4),), mode="eager",
-                             capture_live=2.0, progress=False, ranks=ranks, max_padding_ratio=0.5)
+                             live=2.0, progress=False, ranks=ranks, max_padding_ratio=0.5)
     runner.capture()
     x = torch.randn(8 if rank == 0 else 20, 4)  # rank 0 alone would waste 75% of bucket 32
     got = runner(x, live=3.0, bucket=32)

@@ -49,7 +49,7 @@ def _tp_runner_matches_eager(rank: int, attn: str) -> Any:
     x0 = torch.zeros(128, model.hidden, device=device, dtype=model.dtype)
     pos0 = torch.zeros(128, dtype=torch.long, device=device)
     ranks = bcg.distributed.RankAgreement()
-    options: dict[str, Any] = dict(buckets=[64, 128], example_inputs=(x0, pos0), capture_live=live_for,
+    options: dict[str, Any] = dict(buckets=[64, 128], example_inputs=(x0, pos0), live=live_for,
                                    progress=False, ranks=ranks)
     runner = bcg.GraphRunner(forward, capture_error_mode="thread_local", **options).capture()
     reference = bcg.GraphRunner(forward, mode="eager", **options).capture()  # eager TP on the padded inputs
@@ -85,13 +85,13 @@ def _tp_staged_same_inputs(rank: int) -> Any:
     pos0 = torch.zeros(128, dtype=torch.long, device=device)
     ranks = bcg.distributed.RankAgreement(same_inputs=True)
     runner = bcg.GraphRunner(forward, buckets=[64, 128], example_inputs=(x0, pos0), progress=False, ranks=ranks,
-                             capture_live=lambda n: staged.capture_lives(n, lengths_for, [2, 4]),
+                             live=lambda n: staged.capture_lives(n, lengths_for, [2, 4]),
                              capture_error_mode="thread_local").capture()
     tiers = [sum(f.name.startswith("tier") for f in runner.graph(n).forms) for n in runner.buckets]
     reference = bcg.GraphRunner(  # eager TP with exact bounds, on the padded inputs
         lambda x, pos: model.forward(x, pos, llama.attention_flash), mode="eager", buckets=[64, 128],
         example_inputs=(x0, pos0), progress=False,
-        capture_live=lambda n: llama.Batch.build(tuple(lengths_for(n, 4)), device)).capture()
+        live=lambda n: llama.Batch.build(tuple(lengths_for(n, 4)), device)).capture()
 
     def no_exchange(values: Any) -> Any:
         raise AssertionError("a call exchanged before its launch, with same_inputs=True")
@@ -179,7 +179,7 @@ def _failure_on_one_rank(rank: int) -> Any:
         return scale(y) + 1
 
     runner = bcg.GraphRunner(forward, buckets=[32, 64], example_inputs=(torch.zeros(64, 32, device=device),),
-                             capture_live=0.5, progress=False, ranks=bcg.distributed.RankAgreement(),
+                             live=0.5, progress=False, ranks=bcg.distributed.RankAgreement(),
                              capture_error_mode="thread_local")
     runner.capture()
     same = []

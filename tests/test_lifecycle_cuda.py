@@ -99,7 +99,7 @@ def test_a_reset_runner_gives_its_memory_back_and_wakes_on_moved_weights(lazy: b
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
-    runner = bcg.GraphRunner(forward, buckets, example_inputs=(example,), capture_live=live(1.0),
+    runner = bcg.GraphRunner(forward, buckets, example_inputs=(example,), live=live(1.0),
                              progress=False, lazy=lazy)
 
     def check(T: int, b: float) -> None:

@@ -256,7 +256,7 @@ def _one_round(kind: str, seed: int, mode: str, stream: torch.cuda.Stream) -> Ca
     if kind == "runner":
         fwd, eager, x = _thread_model(seed)
         runner = bcg.GraphRunner(fwd, [32, 64], example_inputs=(x,), capture_error_mode=mode,
-                                 progress=False, capture_live={"s": 1.0}, stream=stream)
+                                 progress=False, live={"s": 1.0}, stream=stream)
         runner.capture()
         for T in (24, 64):
             a = randn(T, 256)

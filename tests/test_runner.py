@@ -115,7 +115,7 @@ def _padded(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
 def test_eager_runner_matches_forward_for_every_bucket(returning: bool) -> None:
     model = _llama(returning)
     buckets = [4, 8, 16]
-    runner = _runner(model, buckets, (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner = _runner(model, buckets, (torch.randn(5, HIDDEN), torch.arange(5)), live=_live)
     runner.capture()
     gen = torch.Generator().manual_seed(0)
     for n in buckets:
@@ -141,7 +141,7 @@ def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_fi
     """lazy=True: a call whose bucket is not captured yet runs forward eagerly (unpadded) and then
     captures that bucket; the next call of it replays it. capture() captures what is left."""
     model = _llama()
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live, lazy=True)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live, lazy=True)
     assert runner.captured_buckets == []
     gen = torch.Generator().manual_seed(1)
 
@@ -170,7 +170,7 @@ def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_fi
 
 def test_a_lazy_runners_input_buffers_exist_before_any_call() -> None:
     model = _llama()
-    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live, lazy=True)
+    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live, lazy=True)
     x, pos = runner.input_buffers(6)
     x.copy_(torch.randn(6, HIDDEN))
     pos.copy_(torch.arange(6))
@@ -204,7 +204,7 @@ def test_a_background_capture_serves_calls_eagerly_until_each_bucket_is_captured
     model = _llama()
     capture_live, inside, release, capture_thread = _blocking_capture_live(16)
 
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=capture_live)
     assert runner.capture(background=True) is runner
     assert inside.wait(30) and runner.stats()["capturing"]
     gen = torch.Generator().manual_seed(2)
@@ -247,7 +247,7 @@ def test_a_call_of_a_captured_bucket_runs_eagerly_while_a_capture_step_holds_the
             assert release.wait(30)
         return _live(n)
 
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=capture_live)
     runner.capture(background=True)
     assert inside.wait(30) and runner.captured_buckets == [16]
     gen = torch.Generator().manual_seed(3)
@@ -272,7 +272,7 @@ def test_calls_on_the_runners_own_buffers_wait_for_the_bucket_being_captured() -
     model = _llama()
     capture_live, inside, release, _ = _blocking_capture_live(8)
 
-    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live,
+    runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), live=capture_live,
                      lazy=True)  # (input_buffers before any capture)
     x, pos = runner.input_buffers(6)
     x.copy_(torch.randn(6, HIDDEN))
@@ -302,7 +302,7 @@ def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
     model = _llama()
     capture_live, inside, release, _ = _blocking_capture_live(16)
 
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=capture_live)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=capture_live)
     runner.capture(background=True)
     assert inside.wait(30)
     threading.Timer(0.2, release.set).start()
@@ -316,7 +316,7 @@ def test_reset_stops_a_background_capture_and_capture_starts_again() -> None:
 
 def test_waiting_for_a_background_capture_inside_locked_is_refused_not_a_deadlock() -> None:
     model = _llama()
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live)
     with runner.locked():  # the capture thread, started inside, waits for this lock
         runner.capture(background=True)
         for wait in (runner.reset, runner.wait_captured, runner.capture):
@@ -346,14 +346,14 @@ def test_a_background_capture_is_refused_with_ranks() -> None:
     class _Ranks:  # (never used: refused before anything runs)
         same_inputs = True
 
-    runner = _runner(_llama(), [4], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live,
+    runner = _runner(_llama(), [4], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live,
                      ranks=_Ranks())  # type: ignore[arg-type]
     with pytest.raises(bcg.BcgError, match="ranks"):
         runner.capture(background=True)
 
 
 def test_a_runner_that_is_not_lazy_refuses_calls_before_capture() -> None:
-    runner = _runner(_llama(), [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner = _runner(_llama(), [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live)
     with pytest.raises(bcg.ReplayError, match="not captured"):
         runner(torch.randn(3, HIDDEN), torch.arange(3), live=_live(3))
 
@@ -402,7 +402,7 @@ def _assert_call_equals_eager_without_nan(runner: bcg.GraphRunner, model: torch.
 
 def test_rows_crossing_breakpoints_are_zeroed_so_padding_never_leaks() -> None:
     model = _CrossRow()
-    runner = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n)
+    runner = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), live=lambda n: n)
     runner.capture()
     for T in (1, 5, 8, 9, 31, 32):
         _assert_call_equals_eager_without_nan(runner, model, T)
@@ -410,7 +410,7 @@ def test_rows_crossing_breakpoints_are_zeroed_so_padding_never_leaks() -> None:
         assert not torch.isnan(full).any()  # padded rows too
 
     # Without sanitizing, the NaN in padded rows reaches the real rows through the sum.
-    unsafe = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, sanitize=False)
+    unsafe = _runner(model, [8, 32], (torch.randn(3, HIDDEN),), live=lambda n: n, sanitize=False)
     unsafe.capture()
     assert torch.isnan(unsafe(torch.randn(5, HIDDEN), live=5)).all()
     assert not torch.isnan(unsafe(torch.randn(8, HIDDEN), live=8)).any()  # T = bucket: no padding
@@ -429,7 +429,7 @@ def test_a_lazy_runners_first_call_tells_its_capture_which_rows_to_zero(first_T:
         runs[0] += 1
         return model(x)
 
-    runner = _runner(forward, [8, 32], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, lazy=True)
+    runner = _runner(forward, [8, 32], (torch.randn(3, HIDDEN),), live=lambda n: n, lazy=True)
     for k, T in enumerate((first_T, 3, 7, 20, 1)):
         _assert_call_equals_eager_without_nan(runner, model, T)
         if k == 0:  # the call's run and the warm-up, and at T = 8 a probe run
@@ -443,7 +443,7 @@ def test_a_lazy_runners_first_call_runs_forward_as_it_is() -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x * bcg.live()
 
-    runner = _runner(forward, [8], (torch.randn(3, HIDDEN),), capture_live=lambda n: n, lazy=True)
+    runner = _runner(forward, [8], (torch.randn(3, HIDDEN),), live=lambda n: n, lazy=True)
     x = torch.randn(5, HIDDEN)
     torch.testing.assert_close(runner(x, live=5), x * 5)
     assert 8 in runner.failed_buckets and "bcg.live()" in runner.failed_buckets[8]
@@ -493,7 +493,7 @@ def test_sanitizing_follows_the_dims_that_grow_with_the_bucket() -> None:
         look(out)
         return out
 
-    runner = _runner(forward, [8, 16], (torch.randn(4, 3), cache), pad_dim=(1, None), capture_live=lambda n: n)
+    runner = _runner(forward, [8, 16], (torch.randn(4, 3), cache), pad_dim=(1, None), live=lambda n: n)
     runner.capture()
     before = cache.clone()
     x = torch.randn(4, 5)
@@ -526,7 +526,7 @@ def test_tensors_that_existed_before_the_run_are_never_sanitized() -> None:
         a = lookup(h, table)
         return a + a.sum(0, keepdim=True) + table.sum(0, keepdim=True)
 
-    runner = _runner(forward, [4, 8, 16], (torch.randn(3, HIDDEN),), capture_live=lambda n: n)
+    runner = _runner(forward, [4, 8, 16], (torch.randn(3, HIDDEN),), live=lambda n: n)
     runner.capture()
     for T in (1, 5, 16, 9):
         x = torch.randn(T, HIDDEN)
@@ -558,7 +558,7 @@ def test_decode_style_batch_bucketing_with_pad_dim_1() -> None:
 
     ids = torch.randint(0, 50, (2, 3))
     runner = _runner(forward, [1, 2, 4, 8], (ids, torch.zeros(2, 3, dtype=torch.long), "decode"),
-                     pad_dim=1, capture_live=lambda n: n)
+                     pad_dim=1, live=lambda n: n)
     runner.capture()
     for B in (1, 2, 3, 4, 5, 8):
         ids = torch.randint(0, 50, (2, B))
@@ -719,12 +719,12 @@ def test_guards_name_the_input_and_come_before_any_side_effect(args, error, patt
     runner(torch.ones(4, 6), torch.arange(4), 2.0)
     before = runner.stats()
     static = runner.bucket_outputs(4).clone()
-    buffers = [b.clone() for b in runner._static.buffers()]
+    buffers = [b.clone() for b in runner._ladder.static.buffers()]
     with pytest.raises(error, match=pattern):
         runner(*args)
     assert runner.stats() == before
     assert torch.equal(runner.bucket_outputs(4), static)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._static.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._ladder.static.buffers()))
 
 
 def test_by_reference_inputs_must_be_the_example_tensor() -> None:
@@ -780,7 +780,7 @@ def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.Log
             raise RuntimeError("this size cannot be captured")
         return scale(F.relu(x))
 
-    runner = _runner(forward, [4, 16, 32], (torch.randn(2, 3),), max_padding_ratio=0.5, capture_live=1.0)
+    runner = _runner(forward, [4, 16, 32], (torch.randn(2, 3),), max_padding_ratio=0.5, live=1.0)
     capturing["on"] = True
     with caplog.at_level(logging.WARNING, logger="bcg"):
         runner.capture()
@@ -869,7 +869,7 @@ def test_graph_mode_without_cuda_falls_back_to_eager_with_one_warning() -> None:
 
 def test_concurrent_calls_are_serialized_and_correct() -> None:
     model = _llama()
-    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), capture_live=_live)
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live)
     runner.capture()
 
     def work(seed: int) -> None:
@@ -901,7 +901,7 @@ def capture_live(n):
     return None
 
 runner = bcg.GraphRunner(lambda x: x * 2, [2, 4, 8, 16, 32, 64, 128, 256], example_inputs=(torch.randn(3, 4),),
-                         capture_live=capture_live, progress=False)
+                         live=capture_live, progress=False)
 runner.capture(background=True)
 time.sleep(0.5)
 assert runner.stats()["capturing"]

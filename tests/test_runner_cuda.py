@@ -39,7 +39,7 @@ def _runner(model: TinyLlama, buckets: list[int], mode: str = "graph", hidden: i
     x = torch.randn(8, hidden, device="cuda", dtype=DTYPE)
     pos = torch.arange(8, device="cuda")
     kw.setdefault("progress", False)
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x, pos), mode=mode, capture_live=_capture_live, **kw)
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x, pos), mode=mode, live=_capture_live, **kw)
     return runner.capture()
 
 
@@ -101,7 +101,7 @@ def test_a_lazy_runner_captures_each_bucket_after_its_first_call_and_replays_it_
     model = _model()
     buckets = [16, 32, 64, 128]
     x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), live=_capture_live,
                              progress=False, lazy=True)
     gen = torch.Generator().manual_seed(3)
     order = [64, 16, 128, 32]
@@ -136,7 +136,7 @@ def _lazy_runner_with_a_view_into_its_own_pool(model: torch.nn.Module, buckets: 
     """A lazy runner after two calls in bucket 32 (captured by the first, into a pool of its own):
     the runner, that pool, the second call's output (a view into it) and a copy of it."""
     x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live,
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), live=_capture_live,
                              progress=False, lazy=True)
     x, pos, live = _batch(int(torch.randint(17, 31, (1,), generator=gen)), gen)
     runner(x, pos, live=live)
@@ -215,7 +215,7 @@ def test_a_background_capture_serves_every_call_right_while_the_ladder_captures(
     model = _DrawsRandomNumbers(ref) if rng else ref
     buckets = [16, 32, 64, 128, 256]
     x0, pos0 = torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda")
-    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), capture_live=_capture_live, progress=False)
+    runner = bcg.GraphRunner(model, buckets, example_inputs=(x0, pos0), live=_capture_live, progress=False)
     gen = torch.Generator().manual_seed(4)
     assert runner.capture(background=True) is runner
     eager_calls = graph_calls = after = 0
@@ -312,7 +312,7 @@ def test_decode_style_batches_padded_along_dim_1() -> None:
 
     buckets = bcg.runner.default_buckets(64, min_tokens=1)
     example = (torch.randint(0, 1000, (2, 4), device="cuda"),)
-    kw = dict(example_inputs=example, pad_dim=1, capture_live=lambda n: n, progress=False)
+    kw = dict(example_inputs=example, pad_dim=1, live=lambda n: n, progress=False)
     runner = bcg.GraphRunner(forward, buckets, **kw).capture()
     reference = bcg.GraphRunner(forward, buckets, mode="eager", **kw).capture()
     for B in (1, 2, 3, 5, 7, 8, 33, 63, 64):
@@ -452,7 +452,7 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     """``T`` equal to the bucket disables the padded-row zeroing; the next padded call enables it
     again, and its padded rows are finite under poisoned memory (the model's sums over tokens
     would spread any NaN left there into the real rows)."""
-    from bcg.runner.padding import PADDING
+    from bcg.runner.sanitizer import PADDING
 
     asked: list[tuple[bool, bool]] = []
     set_enabled = bcg.BreakableGraph.set_enabled
@@ -516,7 +516,7 @@ def test_captures_run_the_last_segment_only_when_the_forward_draws_random_number
         return h + torch.rand_like(h) if draws else h + 1
 
     x = torch.randn(64, 32, device="cuda")
-    runner = bcg.GraphRunner(forward, [64], example_inputs=(x,), capture_live=3.0, progress=False).capture()
+    runner = bcg.GraphRunner(forward, [64], example_inputs=(x,), live=3.0, progress=False).capture()
     graph = runner.graph(64)
     assert graph.stats().segments == 2 and runs == ([0, 1] if draws else [0])  # the last one ran, or not
     assert graph.forms[0].segments[-1].uses_rng == draws
@@ -544,7 +544,7 @@ def test_each_fallback_reason_triggers_and_is_counted(caplog: pytest.LogCaptureF
 
     example = (torch.randn(8, HIDDEN, device="cuda", dtype=DTYPE), torch.arange(8, device="cuda"))
     runner = bcg.GraphRunner(forward, [16, 32, 64], example_inputs=example, max_padding_ratio=0.5,
-                             capture_live=_capture_live, progress=False)
+                             live=_capture_live, progress=False)
     with caplog.at_level(logging.WARNING, logger="bcg"):
         runner.capture()
     failures = [r for r in caplog.records if "capturing bucket" in r.getMessage()]
@@ -576,7 +576,7 @@ def test_guards_name_the_input_before_any_side_effect() -> None:
     x, pos, live = _batch(10, gen)
     runner(x, pos, live=live)
     out = runner.bucket_outputs(16).clone()
-    buffers = [b.clone() for b in runner._static.buffers()]
+    buffers = [b.clone() for b in runner._ladder.static.buffers()]
     calls = runner.stats()["calls"]
     cases = [
         ((x.cpu(), pos), ValueError, r"input 0 is on cpu; expected a torch.bfloat16 tensor on cuda:0 of shape \(T, 256\)"),
@@ -591,7 +591,7 @@ def test_guards_name_the_input_before_any_side_effect() -> None:
             runner(*args, live=live)
     assert runner.stats()["calls"] == calls
     assert torch.equal(runner.bucket_outputs(16), out)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._static.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, runner._ladder.static.buffers()))
 
 
 # -- pools ---------------------------------------------------------------------------------------

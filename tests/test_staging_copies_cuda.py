@@ -176,7 +176,7 @@ def test_staged_tiers_share_the_buffer_and_replays_stay_bit_identical() -> None:
         return bcg.StagedTiers(*(Meta(_lengths(random.Random(k), n, min(k, n)), slots=k) for k in (1, 2)),
                                _capture_meta(n))
 
-    runner = _runner(block, [96, 192], capture_live=tiers)
+    runner = _runner(block, [96, 192], live=tiers)
     for n in (96, 192):
         assert [f.name for f in runner.graph(n).forms] == ["tier 0", "tier 1", "inline", "breakable"]
     rng = random.Random(13)

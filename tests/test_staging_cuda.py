@@ -107,9 +107,9 @@ def _capture_meta(n: int) -> Meta:
     return Meta(_lengths(random.Random(n), n, min(SLOTS, n)))
 
 
-def _runner(block: Block, buckets: list[int], capture_live=_capture_meta) -> bcg.GraphRunner:  # noqa: ANN001
+def _runner(block: Block, buckets: list[int], live=_capture_meta) -> bcg.GraphRunner:  # noqa: ANN001
     x = torch.randn(buckets[-1], HIDDEN, device="cuda", dtype=DTYPE)
-    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), capture_live=capture_live, progress=False).capture()
+    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), live=capture_live, progress=False).capture()
 
 
 def _eager(block: Block, x: torch.Tensor, meta: Meta) -> torch.Tensor:
@@ -195,7 +195,7 @@ def test_a_lazy_runners_first_bucket_gets_its_tiers_with_the_next_capture() -> N
         return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
 
     x0 = torch.randn(128, HIDDEN, device="cuda", dtype=DTYPE)
-    runner = bcg.GraphRunner(block, buckets=[32, 128], example_inputs=(x0,), capture_live=tiers, progress=False,
+    runner = bcg.GraphRunner(block, buckets=[32, 128], example_inputs=(x0,), live=tiers, progress=False,
                              lazy=True)
     rng = random.Random(5)
 
@@ -233,7 +233,7 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
         rng = random.Random(n)
         return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
 
-    runner = _runner(block, buckets, capture_live=tiers)
+    runner = _runner(block, buckets, live=tiers)
     for n in buckets:
         assert [f.name for f in runner.graph(n).forms] == ["tier 0", "tier 1", "inline", "breakable"]
     rng = random.Random(3)
@@ -496,7 +496,7 @@ def test_a_max_seqlen_over_the_bound_falls_back_and_stays_exact() -> None:
 
     staging = Tight()
     block = Block(_make_attention(staging))
-    runner = _runner(block, [128], capture_live=lambda n: Meta((n // SLOTS,) * SLOTS))  # each request <= bound
+    runner = _runner(block, [128], live=lambda n: Meta((n // SLOTS,) * SLOTS))  # each request <= bound
     assert runner.graph(128).staged == ("attn",)
     rng = random.Random(13)
     expected = {"attn does not fit": 0}
@@ -551,12 +551,12 @@ def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: py
     tiers' eager warm-ups: a peer that failed the bucket after its last vote there is learnt at
     that vote, and the bucket fails on this rank too (it runs eagerly), not inside a tier's capture.
     The peer is simulated: a stand-in agreement whose next vote says the peer failed."""
-    from bcg.runner import graph_runner
+    from bcg.runner import ladder
 
     staging = TieredStaging()
     block = Block(_make_attention(staging))
     peer = {"failed": False}
-    real_capture_into = graph_runner.capture_into
+    real_capture_into = ladder.capture_into
 
     def capture_into(graph, fn, options, **kwargs):  # noqa: ANN001, ANN003, ANN202
         out = real_capture_into(graph, fn, options, **kwargs)
@@ -578,9 +578,9 @@ def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: py
     def tiers(n: int) -> bcg.StagedTiers:
         return bcg.StagedTiers(Meta(_lengths(random.Random(n), n, 1), slots=1), _capture_meta(n))
 
-    monkeypatch.setattr(graph_runner, "capture_into", capture_into)
+    monkeypatch.setattr(ladder, "capture_into", capture_into)
     x = torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE)
-    runner = bcg.GraphRunner(block, buckets=[32, 64], example_inputs=(x,), capture_live=tiers, progress=False,
+    runner = bcg.GraphRunner(block, buckets=[32, 64], example_inputs=(x,), live=tiers, progress=False,
                              ranks=OnePeer()).capture()  # type: ignore[arg-type]
     assert sorted(runner.failed_buckets) == [64] and "another rank" in runner.failed_buckets[64]
     with pytest.raises(KeyError):

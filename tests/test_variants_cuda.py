@@ -334,7 +334,7 @@ def test_the_runner_keeps_variants_per_bucket() -> None:
         return Meta((n,))
 
     runner = bcg.GraphRunner(model, buckets=[32, 64], example_inputs=(torch.randn(T, HIDDEN, device="cuda"),),
-                             capture_live=live_for, progress=False)
+                             live=live_for, progress=False)
     runner.capture()
     rng = random.Random(5)
     for i in range(20):

@@ -177,7 +177,7 @@ def _bcg_runner(
         fn,
         buckets=[case.T] if case.T is not None else [case.static_args[0].shape[0]],
         example_inputs=case.static_args,
-        capture_live=case.live_for if case.live_for is not None else case.live,
+        live=case.live_for if case.live_for is not None else case.live,
         progress=False,
         ranks=ctx.ranks,
         capture_error_mode=ctx.capture_error_mode,

@@ -30,14 +30,52 @@ multicast objects, and leaves ``NCCL_NVLS_ENABLE`` as the environment sets it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from bcg.errors import CaptureError, ReplayError
+from bcg.errors import CaptureError, ReplayError, add_note
 
 log = logging.getLogger("bcg")
+
+
+def replay_choice(ranks: RankAgreement, graph: Any, form: int, live: Any) -> tuple[int, bool]:
+    """``(form, stitch)`` for one replay of ``graph`` (a :class:`bcg.BreakableGraph`), the same on
+    every rank: the most general form any rank chose (``form``: this rank's; forms are tried in
+    order, so a later one takes whatever an earlier one does), stitched only where every rank
+    would stitch it (a rank whose first build of an executable the driver refuses still replays
+    piecewise: the same collectives in the same order). One all-reduce when the graph has several
+    forms or keyed breakpoints."""
+    forms = len(graph.forms)
+    keyed = graph.keyed
+    if forms == 1 and not keyed:
+        return form, True
+    values = [form] + ([int(not graph.would_stitch(k, live)) for k in range(forms)] if keyed else [])
+    agreed = ranks.max(values)
+    form = agreed[0]
+    return form, not (keyed and agreed[1 + form])
+
+
+def checked_call(ranks: RankAgreement, call: Callable[[dict[str, int]], Any], raised: dict[str, int]) -> Any:
+    """``call(choice)`` under ``RankAgreement(same_inputs=True)``: the call chooses locally and
+    records its choices (name -> integer) in ``choice``, then every rank checks that all chose alike.
+
+    Every call posts one check after its launch (the GPU works meanwhile), even a call that
+    raised (its choice then holds ``raised``), so the ranks' checks stay paired; the call's own
+    exception goes on, with a failed check as its note.
+    """
+    choice = {"call T": -1, "bucket": 0, **raised}
+    try:
+        out = call(choice)
+    except BaseException as exc:
+        try:
+            ranks.expect_same(choice)
+        except ReplayError as check:
+            add_note(exc, f"bcg: and the ranks' previous check failed: {check}")
+        raise
+    ranks.expect_same(choice)
+    return out
 
 
 class RankAgreement:

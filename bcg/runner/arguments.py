@@ -33,11 +33,12 @@ def check_runner_arguments(
     progress: Any,
     name: Any,
     variants: Any,
+    debug: Any,
     ranks: Any,
     lazy: Any,
 ) -> None:
     """``TypeError`` or ``ValueError`` naming the first argument of ``GraphRunner`` that is wrong.
-    (``capture_live`` takes any value, or a function of the bucket size.)"""
+    (``live`` takes any value, or a function of the bucket size.)"""
     hint = "the signature is GraphRunner(forward, buckets=None, *, example_inputs=..., ...)"
     check_callable(_WHERE, "forward", forward, hint=hint)
     _check_buckets(buckets)
@@ -51,7 +52,7 @@ def check_runner_arguments(
                hint="it is the share of a bucket's rows that may be padding (None: any share)")
     check_bool(_WHERE, "copy_outputs", copy_outputs, optional=True)
     check_bool(_WHERE, "sanitize", sanitize)
-    check_capture_options(_WHERE, pool, stream, capture_error_mode, variants, None)
+    check_capture_options(_WHERE, pool, stream, capture_error_mode, variants, debug)
     check_bool(_WHERE, "progress", progress)
     check_type(_WHERE, "name", name, str, "a str", optional=True)
     if ranks is not None and not isinstance(ranks, RankAgreement) and not hasattr(ranks, "same_inputs"):

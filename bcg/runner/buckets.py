@@ -52,6 +52,12 @@ def padding_ratio(bucket: int, n: int) -> float:
     return (bucket - n) / bucket
 
 
+def too_padded(bucket: int, n: int, max_ratio: float | None) -> bool:
+    """Whether more than ``max_ratio`` of ``bucket``'s rows are padding when ``n`` are real
+    (``None``: any share may be)."""
+    return max_ratio is not None and (bucket - n) > max_ratio * bucket
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 

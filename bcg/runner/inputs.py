@@ -80,6 +80,21 @@ def describe_inputs(examples: tuple[Any, ...], pad_dim: int | Sequence[int | Non
     return specs
 
 
+def padded_device(specs: list[InputSpec]) -> tuple[int, torch.device]:
+    """The position of the first padded input, and the one device of all padded inputs."""
+    padded = [s for s in specs if s.kind == PADDED]
+    if not padded:
+        raise ValueError(
+            "example_inputs needs at least one padded tensor input (the one whose size along pad_dim is T)"
+        )
+    devices = {s.device for s in padded}
+    if len(devices) > 1:
+        raise ValueError(f"all padded inputs must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    assert device is not None
+    return padded[0].index, device
+
+
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr()
@@ -181,6 +196,17 @@ class StaticInputs:
         self._views[n] = views
         return views
 
+    def call_inputs(self, n: int, T: int) -> tuple[Any, ...]:
+        """The inputs of a call with ``T`` rows, made of bucket ``n``'s static inputs: the first ``T``
+        rows of each padded buffer (``GraphRunner.input_buffers``), the other inputs as given."""
+        views = self.views(n)
+        return tuple(views[s.index].narrow(s.pad_dim, 0, T) if s.kind == PADDED else views[s.index]
+                     for s in self.specs)
+
+    def padded_views(self, views: list[Any]) -> list[tuple[torch.Tensor, int]]:
+        """The padded inputs among a bucket's ``views``, each with the dim it is padded along."""
+        return [(views[s.index], s.pad_dim) for s in self.padded]
+
     def load_example(self, n: int) -> list[Any]:
         """Fill the size-``n`` static inputs with the example's rows (zeros past them); return them."""
         views = self.views(n)
@@ -237,3 +263,43 @@ class StaticInputs:
             n = view.shape[s.pad_dim]
             if T < n:
                 view.narrow(s.pad_dim, T, n - T).zero_()
+
+
+class HandedInputs:
+    """The inputs :meth:`bcg.GraphRunner.input_buffers` handed out, by ``T``: a call on them is
+    recognized by identity (neither checked nor copied).
+
+    Arguments:
+        first_padded: the position of the first padded input.
+    """
+
+    KEPT = 256  # distinct T whose inputs are kept
+
+    def __init__(self, first_padded: int) -> None:
+        self._first = first_padded
+        self._by_rows: dict[int, tuple[Any, ...]] = {}
+        # id(first padded view) -> (T, bucket, inputs); the inputs are held, so the id stays unique
+        self._by_id: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+
+    def get(self, T: int) -> tuple[Any, ...] | None:
+        return self._by_rows.get(T)
+
+    def add(self, T: int, bucket: int, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Keep ``inputs`` (bucket ``bucket``'s, for ``T`` rows) and return them."""
+        if len(self._by_rows) >= self.KEPT:
+            self._by_rows.clear()
+            self._by_id.clear()
+        self._by_rows[T] = inputs
+        self._by_id[id(inputs[self._first])] = (T, bucket, inputs)
+        return inputs
+
+    def owns(self, inputs: tuple[Any, ...]) -> bool:
+        """Whether the call's first padded input is one handed out."""
+        return len(inputs) > self._first and id(inputs[self._first]) in self._by_id
+
+    def recognize(self, inputs: tuple[Any, ...]) -> tuple[int, int] | None:
+        """``(T, bucket)`` when the call's inputs are exactly ones handed out, else None."""
+        found = self._by_id.get(id(inputs[self._first])) if len(inputs) > self._first else None
+        if found is None or len(inputs) != len(found[2]) or not all(map(operator.is_, inputs, found[2])):
+            return None
+        return found[0], found[1]

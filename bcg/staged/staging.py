@@ -350,7 +350,7 @@ class Stager:
 class StagedTiers(tuple):  # type: ignore[type-arg]
     """Capture-time live metadata for the staged tiers of each :class:`bcg.GraphRunner` bucket.
 
-    Return one from ``capture_live`` (``StagedTiers(live_a, live_b, live)``,
+    Return one from the runner's ``live`` (``StagedTiers(live_a, live_b, live)``,
     smallest bounds first): the runner captures each bucket's graph, and its
     breakable form, with the last value as usual, and one more inline form
     (a *tier*) per earlier value, tried first (see :meth:`bcg.BreakableGraph.choose`).

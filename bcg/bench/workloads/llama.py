@@ -1059,7 +1059,7 @@ def _lifecycle(model: LlamaModel, args: argparse.Namespace, device: torch.device
     buckets, x, pos, forward, capture_live, live_for = _ladder_runner(model, args, device, None, staged)
 
     def make(**options: Any) -> bcg.GraphRunner:
-        return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=capture_live,
+        return bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), live=capture_live,
                                progress=False, **options)
 
     gen = torch.Generator(device=device).manual_seed(args.seed)  # not the default one: see docs/runner.md
@@ -1114,7 +1114,7 @@ def _ladder(
     if regions is not None:
         # the compile: one eager call at the largest bucket (Dynamo + Inductor + Triton)
         section.update(compiling_call(forward, (x, pos), live_for(buckets[-1]), torch.cuda.synchronize))
-    runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), capture_live=capture_live,
+    runner = bcg.GraphRunner(forward, buckets=buckets, example_inputs=(x, pos), live=capture_live,
                              progress=False)
     graphs0 = dynamo_graphs() if regions is not None else 0
     t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from bcg.core.bridge import argument_keys, in_place_position
 from bcg.core.pool import blocks
 from bcg.core.session import switchable
 from bcg.core.torch_internals import TorchDispatchMode, has_internal_overlap
-from bcg.runner.inputs import InputSpec
+from bcg.runner.inputs import StaticInputs
 from bcg.staged.staging import StagedWarmup
 
 log = logging.getLogger("bcg")
@@ -224,15 +224,15 @@ class PaddingSanitizer:
     """Zeroes the rows ``>= T`` of the padded inputs and of the tensors crossing breakpoints.
 
     Arguments:
-        padded: the padded inputs.
+        static: the static inputs (which of them are padded, along which dim).
         rows: the most rows any run has (the largest bucket, or the probe size).
         device: the runner's device.
         enabled: ``False`` records shapes only (``sanitize=False``): nothing is zeroed.
     """
 
-    def __init__(self, padded: list[InputSpec], rows: int, device: torch.device, enabled: bool) -> None:
+    def __init__(self, static: StaticInputs, rows: int, device: torch.device, enabled: bool) -> None:
         self.enabled = enabled
-        self._padded = padded
+        self._static = static
         self._device = device
         self._arange = torch.arange(rows, device=device)
         self._t_dev = torch.zeros((), dtype=torch.int32, device=device)  # int32: set with one memset
@@ -280,8 +280,8 @@ class PaddingSanitizer:
             return
         with switchable(PADDING):
             torch.ge(self._arange[:n], self._t_dev, out=self._pad_mask[:n])
-            for s in self._padded:
-                views[s.index].masked_fill_(self._mask_view(n, s.pad_dim, s.ndim), 0)
+            for view, dim in self._static.padded_views(views):
+                view.masked_fill_(self._mask_view(n, dim, view.dim()), 0)
 
     def _known_patterns(self, n: int) -> frozenset[Pattern]:
         """Shapes (with bucket-sized dims as -1) of crossing tensors seen in runs of other sizes."""
