@@ -191,3 +191,25 @@ def test_private_torch_names_live_in_one_module() -> None:
     offences = [o for name, path in MODULES.items() if name != _TORCH_INTERNALS
                 for o in _private_torch(name, path.read_text())]
     assert not offences, offences
+
+
+# The modules docs/api.md documents: what an example may import from bcg.
+_PUBLIC_MODULES = {"bcg", "bcg.errors", "bcg.distributed", "bcg.runner"}
+
+
+def test_examples_use_only_the_public_api() -> None:
+    """examples/ shows users what they can write: it imports no internal bcg module."""
+    examples = sorted((ROOT.parent / "examples").glob("*.py"))
+    assert examples, "no examples found"
+    bad = []
+    for path in examples:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            else:
+                continue
+            bad += [f"{path.name}:{node.lineno}: {n}" for n in names
+                    if n.split(".")[0] == "bcg" and n not in _PUBLIC_MODULES]
+    assert not bad, "examples import internal bcg modules:\n" + "\n".join(bad)
