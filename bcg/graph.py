@@ -26,7 +26,7 @@ from bcg.core.plan import BreakpointStep, GraphSource, Recording, SegmentStep, S
 from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.core.process import release_when_safe
 from bcg.core.replay import Executor, StagedExecutor, make_executor
-from bcg.core.storages import check_alarm
+from bcg.core.storages import check_suspects
 from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
 from bcg.errors import ReplayError
 from bcg.keyed.variants import VariantCache, VariantPolicy
@@ -86,7 +86,7 @@ class Form:
     """
 
     def __init__(self, recording: Recording, name: str, outputs: Any, policy: VariantPolicy | None,
-                 alarm: list[Any], graph_pool: PoolHandle | None) -> None:
+                 suspects: list[Any], graph_pool: PoolHandle | None) -> None:
         self.name = name
         self.breakable = name == "breakable"
         self.recording = recording
@@ -99,7 +99,7 @@ class Form:
         if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self.plan):
             # attaches itself to the keyed steps (graph mode) before the executor reads them
             self.variants = VariantCache(self.plan, recording.device if graph_mode else None,
-                                         policy or VariantPolicy(), self._rebuild_executor, alarm, graph_pool)
+                                         policy or VariantPolicy(), self._rebuild_executor, suspects, graph_pool)
         self.executor: Executor | None = self._new_executor() if graph_mode else None
         self._executors: dict[frozenset[str], Executor] = {}
         if self.executor is not None:
@@ -221,7 +221,7 @@ class BreakableGraph:
         self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
         self._disabled: frozenset[str] = frozenset()  # node groups set_enabled turned off
         self._switch_done: dict[tuple[str, bool], bool] = {}  # set_enabled's answers while _disabled holds
-        self._alarm: list[Any] = []  # storages read that nothing but the graph may hold any more
+        self._suspects: list[Any] = []  # storages read that nothing but the graph may hold any more
         self._breakable_replays: dict[str, int] = {}
         self._policy: VariantPolicy | None = None  # keyed breakpoints' policy, shared by every form
         self.source: GraphSource | None = None
@@ -237,10 +237,10 @@ class BreakableGraph:
             raise ReplayError("this BreakableGraph already holds a capture: call graph.reset() before installing another")
         self.hold(None)
         if recording.held is not None:
-            self._alarm = recording.held.alarm
+            self._suspects = recording.held.suspects
             recording.held.set_bcg_tensors(functools.partial(breakpoint_tensors, recording.plan))
         self._policy = variants
-        self._main = Form(recording, "inline" if recording.stager else "graph", None, variants, self._alarm,
+        self._main = Form(recording, "inline" if recording.stager else "graph", None, variants, self._suspects,
                           recording.pool)
         self._forms = [self._main]
         self._switch_done = {}
@@ -268,7 +268,7 @@ class BreakableGraph:
                               "did not fit its own bounds)")
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
         self._switch_done = {}  # the new form's unswitchable groups count in the answers
-        form = Form(recording, name, outputs, self._policy, self._alarm, main.recording.pool)
+        form = Form(recording, name, outputs, self._policy, self._suspects, main.recording.pool)
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
             # nodes of skipped groups in place, right before it replays, rather than each
@@ -333,8 +333,8 @@ class BreakableGraph:
         Cheap: a replay pays one list check unless a tensor the graph reads was
         collected (see :mod:`bcg.core.storages`).
         """
-        if self._alarm:
-            check_alarm(self._alarm)
+        if self._suspects:
+            check_suspects(self._suspects)
 
     def replay(self, live: Any = UNSET) -> Any:
         """Run the form :meth:`choose` picks for ``live``: segment, breakpoint, segment, ... on the
@@ -575,7 +575,7 @@ class BreakableGraph:
             if form.recording.held is not None:
                 form.recording.held.release()  # (no CUDA call: stop checking now)
         self._forms, self._main, self._lease = [], None, None
-        self._alarm, self._disabled, self._switch_done = [], frozenset(), {}
+        self._suspects, self._disabled, self._switch_done = [], frozenset(), {}
         self._breakable_replays = {}
         self.source = None
         self._was_reset = True

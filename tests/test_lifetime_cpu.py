@@ -11,7 +11,7 @@ import torch
 
 from bcg.errors import StaleTensorError
 from bcg.core.process import CaptureLock, on_release
-from bcg.core.storages import StorageWatch, check_alarm
+from bcg.core.storages import StorageWatch, check_suspects
 
 
 # -- frees that wait for captures ------------------------------------------------------------------
@@ -133,25 +133,25 @@ def _watch() -> StorageWatch:
 
 
 def _capture(fn, *args):  # type: ignore[no-untyped-def]
-    """Run ``fn`` under a watch as a capture would; return the held storages and their alarm."""
+    """Run ``fn`` under a watch as a capture would; return the held storages and their suspects."""
     watch = _watch()
     with watch:
         out = fn(*args)
-    alarm: list = []
-    return watch.held("the test's segments", alarm), alarm, out
+    suspects: list = []
+    return watch.held("the test's segments", suspects), suspects, out
 
 
 def test_a_rebound_tensor_is_reported_with_its_shape_dtype_and_first_use() -> None:
     weights = {"w": torch.randn(16, 8)}
     x = torch.randn(4, 16)
-    held, alarm, _ = _capture(lambda a: a @ weights["w"], x)
+    held, suspects, _ = _capture(lambda a: a @ weights["w"], x)
     assert len(held) == 2  # x and the weight
-    check_alarm(alarm)  # nothing replaced yet
+    check_suspects(suspects)  # nothing replaced yet
     weights["w"].copy_(torch.randn(16, 8))  # in place: the graph stays right
-    check_alarm(alarm)
+    check_suspects(suspects)
     weights["w"] = torch.randn(16, 8)  # rebound: only the graph holds the old storage
     with pytest.raises(StaleTensorError) as err:
-        check_alarm(alarm)
+        check_suspects(suspects)
     text = str(err.value)
     assert "torch.float32 tensor of shape (16, 8)" in text and "aten.mm" in text
     assert "test_lifetime_cpu.py" in text and "copy_" in text and "reset()" in text
@@ -162,20 +162,20 @@ def test_a_storage_still_held_elsewhere_is_not_reported() -> None:
     view = base[:16].view(4, 4)
     x = torch.randn(2, 4)
     keep = {"base": base}
-    held, alarm, _ = _capture(lambda a, v: a @ v, x, view)
+    held, suspects, _ = _capture(lambda a, v: a @ v, x, view)
     del base
     view = None  # noqa: F841 - the only watched objects go; the storage lives on in `keep`
     gc.collect()
-    check_alarm(alarm)  # posted, but the base still holds the storage
+    check_suspects(suspects)  # posted, but the base still holds the storage
     keep.clear()
     with pytest.raises(StaleTensorError):
-        check_alarm(alarm)
+        check_suspects(suspects)
 
 
 def test_tensors_bcg_holds_itself_do_not_count_as_holders() -> None:
     cache = {"k": torch.randn(8, 8)}
     x = torch.randn(8, 8)
-    held, alarm, _ = _capture(lambda a: a + cache["k"], x)
+    held, suspects, _ = _capture(lambda a: a + cache["k"], x)
     storage = cache["k"].untyped_storage()
     alias = torch.empty(0).set_(storage, 0, (4, 8), (8, 1))  # held as a breakpoint step holds an argument
     del storage
@@ -183,7 +183,7 @@ def test_tensors_bcg_holds_itself_do_not_count_as_holders() -> None:
     cache.clear()
     gc.collect()
     with pytest.raises(StaleTensorError):
-        check_alarm(alarm)
+        check_suspects(suspects)
 
 
 def test_nothing_is_held_while_not_recording_and_release_stops_the_checks() -> None:
@@ -192,13 +192,13 @@ def test_nothing_is_held_while_not_recording_and_release_stops_the_checks() -> N
     with watch:
         torch.randn(2, 4) @ w["w"]
     assert len(watch.held("x", [])) == 0
-    held, alarm, _ = _capture(lambda: torch.ones(2, 4) @ w["w"])
+    held, suspects, _ = _capture(lambda: torch.ones(2, 4) @ w["w"])
     w.clear()
     gc.collect()
-    assert alarm
+    assert suspects
     held.release()
-    assert not alarm
-    check_alarm(alarm)
+    assert not suspects
+    check_suspects(suspects)
 
 
 def test_compiled_code_stays_compiled_under_the_watch_and_its_inputs_are_found() -> None:
@@ -210,13 +210,13 @@ def test_compiled_code_stays_compiled_under_the_watch_and_its_inputs_are_found()
     with torch.no_grad():
         expected = compiled(x)
         graphs = counters["stats"]["unique_graphs"]
-        held, alarm, out = _capture(compiled, x)
+        held, suspects, out = _capture(compiled, x)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
     torch.testing.assert_close(out, expected)
-    check_alarm(alarm)  # the weight, reached through Inductor's view, is watched through the module
+    check_suspects(suspects)  # the weight, reached through Inductor's view, is watched through the module
     lin.weight = torch.nn.Parameter(torch.randn(32, 32))
     with pytest.raises(StaleTensorError):
-        check_alarm(alarm)
+        check_suspects(suspects)
 
 
 def test_a_paused_watch_sees_nothing_and_watches_again_after() -> None:
@@ -281,12 +281,12 @@ def test_a_dropped_tensor_the_capture_first_overwrites_whole_is_scratch_not_stal
     watch = StorageWatch(lambda op, t, p: p == ptr, recording=lambda: True)  # (the rest is the pool's)
     with watch:
         fn()
-    alarm: list = []
-    held = watch.held("the test's segments", alarm)
+    suspects: list = []
+    held = watch.held("the test's segments", suspects)
     gc.collect()
     assert len(held) == 1 and held.nbytes == 8 * 4 * 4  # held: replays write there
-    assert alarm == []
-    check_alarm(alarm)
+    assert suspects == []
+    check_suspects(suspects)
 
 
 @pytest.mark.parametrize(
@@ -307,14 +307,14 @@ def test_a_dropped_tensor_whose_old_values_a_replay_reads_is_still_refused(acces
     with watch:
         access(state["b"])
         state["b"].sum(0)
-    alarm: list = []
-    held = watch.held("the test's segments", alarm)
+    suspects: list = []
+    held = watch.held("the test's segments", suspects)
     assert len(held) == 1
-    check_alarm(alarm)
+    check_suspects(suspects)
     state.clear()
     gc.collect()
     with pytest.raises(StaleTensorError, match="replaced tensor"):
-        check_alarm(alarm)
+        check_suspects(suspects)
 
 
 class _Writers:
@@ -339,20 +339,20 @@ def test_another_graphs_output_is_not_stale_while_that_graph_lives_and_named_aft
     watch = StorageWatch(lambda op, t, ptr: True, recording=lambda: True, writers=pools.get)
     with watch:
         produced["b"] * weight["w"]
-    alarm: list = []
-    held = watch.held("g1's segments", alarm)
+    suspects: list = []
+    held = watch.held("g1's segments", suspects)
     assert len(held) == 2
     produced.clear()
     gc.collect()
-    assert alarm  # posted: only the graph holds it now
-    check_alarm(alarm)  # g0 rewrites it at every replay
-    check_alarm(alarm)
+    assert suspects  # posted: only the graph holds it now
+    check_suspects(suspects)  # g0 rewrites it at every replay
+    check_suspects(suspects)
     writers.live = False  # g0 reset or freed
     with pytest.raises(StaleTensorError, match=r"reset or freed \(the bcg graph captured at producer.py:7\)") as err:
-        check_alarm(alarm)
+        check_suspects(suspects)
     assert "torch.float32 tensor of shape (16,)" in str(err.value)
     weight.clear()  # the weight in the global pool: refused as ever
     writers.live = True
     gc.collect()
     with pytest.raises(StaleTensorError, match="replaced tensor"):
-        check_alarm(alarm)
+        check_suspects(suspects)

@@ -202,14 +202,15 @@ class HeldStorages:
     Arguments:
         storages: what the capture's :class:`StorageWatch` kept.
         where: what read them, for errors ("graph segments", "the variant of ...").
-        alarm: where suspects are posted; a graph shares one list between its
-            own holds and its variants', and a replay checks it is empty.
+        suspects: the list a storage is posted to once it is a suspect (every tensor that
+            reached it is gone); a graph shares one list between its own holds and its
+            variants', and a replay checks each suspect before it launches.
     """
 
-    def __init__(self, storages: list[_Storage], where: str, alarm: list[Any]) -> None:
+    def __init__(self, storages: list[_Storage], where: str, suspects: list[Any]) -> None:
         self._storages = storages
         self.where = where
-        self.alarm = alarm
+        self.suspects = suspects
         self._bcg_tensors: Callable[[], Iterable[torch.Tensor]] = tuple
         for s in storages:
             if s.scratch:
@@ -229,23 +230,23 @@ class HeldStorages:
         self._bcg_tensors = tensors
 
     def _post(self, storage: _Storage) -> None:
-        self.alarm.append((self, storage))
+        self.suspects.append((self, storage))
 
     def release(self) -> None:
         """Stop watching and drop the storages (the graph is being freed)."""
         for s in self._storages:
             s.disarm()
-        self.alarm[:] = [(h, s) for h, s in list(self.alarm) if h is not self]
+        self.suspects[:] = [(h, s) for h, s in list(self.suspects) if h is not self]
         self._storages = []
 
 
-def check_alarm(alarm: list[tuple[HeldStorages, _Storage]]) -> None:
-    """Raise :class:`bcg.errors.StaleTensorError` for a posted storage nothing but bcg holds any more.
+def check_suspects(suspects: list[tuple[HeldStorages, _Storage]]) -> None:
+    """Raise :class:`bcg.errors.StaleTensorError` for a suspect nothing but bcg holds any more.
 
     Storages still held elsewhere, or in the pool of another graph that still holds its
     capture, stay posted (checked again at the next replay).
     """
-    for held, s in list(alarm):
+    for held, s in list(suspects):
         if s.held_elsewhere(held._bcg_tensors):
             continue
         if s.writers is not None:
@@ -344,9 +345,9 @@ class StorageWatch(TorchDispatchMode):
         this mode, so they do not pay its Python dispatch."""
         return without_mode(self)
 
-    def held(self, where: str, alarm: list[Any]) -> HeldStorages:
+    def held(self, where: str, suspects: list[Any]) -> HeldStorages:
         """What the capture read outside its pools, held from now on (the watch is done)."""
-        out = HeldStorages(list(self._held.values()), where, alarm)
+        out = HeldStorages(list(self._held.values()), where, suspects)
         self._held, self._skip = {}, set()
         if self.unseen:
             log.debug("bcg: %s: %d tensor argument(s) without a storage bcg can hold", where, self.unseen)

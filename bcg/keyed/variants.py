@@ -339,10 +339,10 @@ class VariantCache:
     """
 
     def __init__(self, plan: tuple[Step, ...] | list[Step], device: int | None, policy: VariantPolicy,
-                 on_retire: Callable[[], None] | None = None, alarm: list[Any] | None = None,
+                 on_retire: Callable[[], None] | None = None, suspects: list[Any] | None = None,
                  graph_pool: PoolHandle | None = None) -> None:
         self.policy = policy
-        self._alarm = alarm if alarm is not None else []  # the graph's: where variants post suspects
+        self._suspects = suspects if suspects is not None else []  # the graph's: where variants post suspects
         self.graph_pool = graph_pool  # arguments and bridges live there: not held by variants
         self._on_retire = on_retire  # the graph rebuilds its executor: retired steps call fn directly
         self.device = device
@@ -501,7 +501,7 @@ class VariantCache:
         except Exception as exc:  # any refusal: the key stays eager
             self._fail(entry, exc)
             return
-        held = watch.held(f"the variant of breakpoint {spec.name!r} for key {key!r}", self._alarm)
+        held = watch.held(f"the variant of breakpoint {spec.name!r} for key {key!r}", self._suspects)
         held.set_bcg_tensors(functools.partial(breakpoint_tensors, (step,)))
         entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None, held=held)
         self._entries.add_bytes((spec, key), max(torch.cuda.memory_reserved(self.device) - before, 0))
