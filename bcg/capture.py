@@ -21,7 +21,7 @@ from bcg.core.session import CAPTURE_ERROR_MODES, Capture, CaptureOptions
 from bcg.errors import CaptureError
 from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
-from bcg.staged.staging import Stager
+from bcg.staged.staging import StagedBreakpoints
 
 
 class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the public contract
@@ -98,7 +98,7 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     def __enter__(self) -> BreakableGraph:
         if self.graph.is_captured:
             raise CaptureError("this BreakableGraph already holds a capture: call graph.reset() first")
-        self._capture = Capture(self._options, Stager())
+        self._capture = Capture(self._options, StagedBreakpoints())
         self._capture.__enter__()
         return self.graph
 
@@ -163,7 +163,7 @@ def capture_into(
     options = dataclasses.replace(options, split_staged=True)
     if form != "main":
         options = dataclasses.replace(options, pool=graph.pool(), inline=form == "tier", watch=False)
-    cap = Capture(options, Stager())
+    cap = Capture(options, StagedBreakpoints())
     try:
         with cap:
             out = fn()

@@ -26,7 +26,7 @@ from bcg.core.breakpoint import BreakpointSpec, Recorder, live
 from bcg.core.bridge import BridgeSet
 from bcg.errors import BreakpointOutputMismatch
 from bcg.core.plan import BreakpointStep, SegmentStep, Step
-from bcg.staged.staging import NOT_INLINE, Stager
+from bcg.staged.staging import NOT_INLINE, StagedBreakpoints
 from bcg.keyed.variants import VariantCache
 
 log = logging.getLogger("bcg")
@@ -68,10 +68,10 @@ class EagerRecorder(Recorder):
         self._counter = _OpCounter()
         self._segments = 0
         self._breakpoints = 0
-        self.stager = Stager()
+        self.staged_breakpoints = StagedBreakpoints()
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = self.stager.record(self, spec, args, kwargs)  # inline: segment work, not a step
+        result = self.staged_breakpoints.record(self, spec, args, kwargs)  # inline: segment work, not a step
         return self.on_breakpoint(spec, args, kwargs) if result is NOT_INLINE else result
 
     def __enter__(self) -> EagerRecorder:
@@ -114,29 +114,29 @@ class EagerReplay(Recorder):
 
     segment_label = "an eager-mode segment"
 
-    def __init__(self, plan: tuple[Step, ...], stager: Stager | None = None,
+    def __init__(self, plan: tuple[Step, ...], staged_breakpoints: StagedBreakpoints | None = None,
                  variants: VariantCache | None = None) -> None:
         super().__init__()
         self._steps = [s for s in plan if isinstance(s, BreakpointStep)]
         self._variants = variants  # keyed breakpoints: their keys are computed and counted
         self._keyed: set[BreakpointSpec] = set()
         self._next = 0
-        self._stager = stager
+        self._staged_breakpoints = staged_breakpoints
         self._inline: bool | None = None  # decided at the first staged call, for the whole replay
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """As a graph replay: inline with the recorded values when every staged breakpoint fits
         (each ``prepare`` runs once), else the breakable form (real metadata)."""
-        stager = self._stager
-        if stager is None or spec.name not in stager.names:
+        staged = self._staged_breakpoints
+        if staged is None or spec.name not in staged.names:
             return self.on_breakpoint(spec, args, kwargs)  # recorded as a breakpoint
         if self._inline is None:
             value = live(static_ok=True)
-            self._inline = stager.misfit(value) is None
+            self._inline = staged.misfit(value) is None
             if self._inline:
-                stager.prepare_and_upload(value)
+                staged.prepare_and_upload(value)
         if self._inline:
-            return self.run_breakpoint(spec.fn, args, kwargs, live=stager.value(spec))
+            return self.run_breakpoint(spec.fn, args, kwargs, live=staged.value(spec))
         return self.run_breakpoint(spec.fn, args, kwargs)
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -80,7 +80,7 @@ class GraphStats:
 
 class Form:
     """One captured form of a graph: its plan, how it launches, and the staged breakpoints a
-    replay asks and prepares first (``stager`` None: it takes any live metadata).
+    replay asks and prepares first (``staged_breakpoints`` None: it takes any live metadata).
 
     Built by :meth:`BreakableGraph.install` and :meth:`BreakableGraph.add_form`.
     """
@@ -93,8 +93,8 @@ class Form:
         self.plan: tuple[Step, ...] = tuple(recording.plan)
         self.outputs = outputs
         graph_mode = recording.mode == "graph"
-        stager = recording.stager
-        self.stager = stager if graph_mode and stager else None  # eager mode: its rerun decides
+        staged = recording.staged_breakpoints
+        self.staged_breakpoints = staged if graph_mode and staged else None  # eager mode: its rerun decides
         self.variants: VariantCache | None = None
         if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self.plan):
             # attaches itself to the keyed steps (graph mode) before the executor reads them
@@ -113,12 +113,12 @@ class Form:
 
     def misfit(self, live: Any) -> str | None:
         """Why ``live`` does not fit this form's staged breakpoints (None: it fits)."""
-        return self.stager.misfit(live) if self.stager is not None else None
+        return self.staged_breakpoints.misfit(live) if self.staged_breakpoints is not None else None
 
     def prepare(self, live: Any) -> None:
         """Run the staged breakpoints' ``prepare`` (host writes that the launch copies in)."""
-        if self.stager is not None:
-            self.stager.prepare(live)
+        if self.staged_breakpoints is not None:
+            self.staged_breakpoints.prepare(live)
 
     def run(self, live: Any, stitch: bool, device: int | None) -> None:
         """Prepare and launch this form on the current stream (``live`` is set by the caller)."""
@@ -240,8 +240,8 @@ class BreakableGraph:
             self._suspects = recording.held.suspects
             recording.held.set_bcg_tensors(functools.partial(breakpoint_tensors, recording.plan))
         self._policy = variants
-        self._main = Form(recording, "inline" if recording.stager else "graph", None, variants, self._suspects,
-                          recording.pool)
+        name = "inline" if recording.staged_breakpoints else "graph"
+        self._main = Form(recording, name, None, variants, self._suspects, recording.pool)
         self._forms = [self._main]
         self._switch_done = {}
         self._was_reset = False
@@ -249,7 +249,7 @@ class BreakableGraph:
 
     def add_form(self, recording: Recording, outputs: Any, *, tier: bool = False) -> None:
         """Add a form captured from the same code into this graph's pool (make_graph and the
-        runner call it): the breakable form (``recording.stager`` empty), replayed when no
+        runner call it): the breakable form (``recording.staged_breakpoints`` empty), replayed when no
         staged form fits; or with ``tier``, a staged form with smaller bounds, tried after the
         tiers added before it and before the inline form. ``outputs``: what its capture
         returned; after it replays they are copied into :attr:`outputs` (nothing is copied
@@ -263,7 +263,8 @@ class BreakableGraph:
                 "a graph with several forms needs the outputs of each capture: set graph.outputs to what "
                 "the first capture returned, and pass what this one returned"
             )
-        if tier and set(recording.stager.names if recording.stager else ()) != set(self.staged):
+        inline = recording.staged_breakpoints.names if recording.staged_breakpoints else ()
+        if tier and set(inline) != set(self.staged):
             raise ReplayError("a staged tier must capture every staged breakpoint inline (its live metadata "
                               "did not fit its own bounds)")
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
@@ -309,10 +310,10 @@ class BreakableGraph:
             raise ReplayError(self._not_captured_message())
         reason = None
         for i, form in enumerate(forms):
-            stager = form.stager
-            if stager is None:
+            staged = form.staged_breakpoints
+            if staged is None:
                 return i, reason
-            reason = stager.misfit(live)
+            reason = staged.misfit(live)
             if reason is None:
                 return i, None
         raise ReplayError(
@@ -381,7 +382,7 @@ class BreakableGraph:
                 f"cuda:{current}: replay it under torch.cuda.device({device})"
             )
         self.check_held()
-        if form.breakable and self._main is not None and self._main.stager is not None:
+        if form.breakable and self._main is not None and self._main.staged_breakpoints is not None:
             if reason is None:  # (chosen by ranks' agreement)
                 reason = self._main.misfit(live) or "another rank's metadata does not fit"
             self._breakable_replays[reason] = self._breakable_replays.get(reason, 0) + 1
@@ -509,8 +510,8 @@ class BreakableGraph:
     @property
     def staged(self) -> tuple[str, ...]:
         """The staged breakpoints captured inline (their names)."""
-        stager = self._main.recording.stager if self._main is not None else None
-        return tuple(stager.names) if stager else ()
+        staged = self._main.recording.staged_breakpoints if self._main is not None else None
+        return tuple(staged.names) if staged else ()
 
     def stats(self) -> GraphStats:
         """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds, and the
@@ -523,9 +524,9 @@ class BreakableGraph:
         segments = main.segments
         breakpoints = [s for s in main.plan if isinstance(s, BreakpointStep)]
         staged = None
-        if main.stager is not None:
-            staged_forms = [f for f in self._forms if f.stager is not None]
-            staged = StagedStats(tuple(main.stager.names), tuple(f.replays for f in staged_forms),
+        if main.staged_breakpoints is not None:
+            staged_forms = [f for f in self._forms if f.staged_breakpoints is not None]
+            staged = StagedStats(tuple(main.staged_breakpoints.names), tuple(f.replays for f in staged_forms),
                                  dict(self._breakable_replays))
         keyed = {f.name: f.variants.stats() for f in self._forms if f.variants is not None} or None
         return GraphStats(

@@ -81,7 +81,7 @@ def make_graph(
             outputs = source()
 
         def rerun() -> None:
-            checker = EagerReplay(graph.plan, recorder.stager, graph.forms[0].variants)
+            checker = EagerReplay(graph.plan, recorder.staged_breakpoints, graph.forms[0].variants)
             with recording(checker):
                 result = source()
             checker.finish()
@@ -89,7 +89,7 @@ def make_graph(
 
         graph.install(
             Recording(recorder.plan, capture_s=time.perf_counter() - t0, mode="eager", rerun=rerun,
-                      stager=recorder.stager or None),
+                      staged_breakpoints=recorder.staged_breakpoints or None),
             variants,
         )
         log.info(

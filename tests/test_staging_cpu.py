@@ -266,15 +266,15 @@ def test_a_replay_asks_each_fits_and_runs_each_prepare_once_bound_methods_includ
     warmup = StagedWarmup()
     with recording(warmup, (4, 4)):
         a(1), b(1), a(1)
-    stager = warmup.stager
+    staged_breakpoints = warmup.staged_breakpoints
     assert staging.prepared == [(4, 4)] and seen[0] is seen[1] is seen[2] and seen[0]["staged"]
-    assert stager.names == ["a", "b"]
+    assert staged_breakpoints.names == ["a", "b"]
     calls["fits"] = 0
-    assert stager.misfit((1, 1)) is None and calls["fits"] == 1  # one fits function: asked once
-    assert stager.misfit((1,) * (SLOTS + 1)) == "a does not fit"
-    stager.prepare((2, 6))
+    assert staged_breakpoints.misfit((1, 1)) is None and calls["fits"] == 1  # one fits function: asked once
+    assert staged_breakpoints.misfit((1,) * (SLOTS + 1)) == "a does not fit"
+    staged_breakpoints.prepare((2, 6))
     assert staging.prepared == [(4, 4), (2, 6)] and staging.buffer.host.tolist() == [0, 2, 8, 8]
-    assert stager.value(b.__bcg_breakpoint__) is seen[0]
+    assert staged_breakpoints.value(b.__bcg_breakpoint__) is seen[0]
 
 
 def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: pytest.LogCaptureFixture) -> None:

@@ -240,8 +240,8 @@ class Recording:
     ``plan``: the steps in stream order. ``lease``: the graph's share of ``pool``
     (released with the graph). ``rerun``: eager mode's replay (re-runs the
     function). ``guards``/``poison``: the debugging aids checked before each
-    replay. ``stager``: the staged breakpoints captured inline, which a replay
-    asks and prepares before launching (a :class:`bcg.staged.staging.Stager`;
+    replay. ``staged_breakpoints``: the staged breakpoints captured inline, which a replay
+    asks and prepares before launching (a :class:`bcg.staged.staging.StagedBreakpoints`;
     None or empty: none). ``stage_at``: the plan index where the staged copies begin (a
     replay launches the steps before it, prepares, then launches the rest; None or 0: it
     prepares first, see ``CaptureOptions.split_staged``). ``unswitchable``: labels of ``switchable`` blocks
@@ -258,7 +258,7 @@ class Recording:
     rerun: Callable[[], None] | None = None
     guards: Guards | None = None
     poison: Poison | None = None
-    stager: Any = None
+    staged_breakpoints: Any = None
     stage_at: int | None = None
     unswitchable: frozenset[str] = frozenset()
     held: HeldStorages | None = None

@@ -117,7 +117,7 @@ class CaptureSession(Recorder):
         stream: torch.cuda.Stream,
         capture_error_mode: str,
         device: int,
-        stager: Any,
+        staged_breakpoints: Any,
         after_breakpoint: Callable[[list[torch.Tensor]], None] | None = None,
         owns_pool: bool = True,
         inline: bool = True,
@@ -131,7 +131,7 @@ class CaptureSession(Recorder):
         self.split_staged = split_staged
         self.inline = inline
         self.replay_stream = replay_stream if replay_stream is not None else stream
-        self.stager = stager  # records staged breakpoints inline (a bcg.staged.staging.Stager)
+        self.staged_breakpoints = staged_breakpoints  # records them inline (a bcg.staged.staging.StagedBreakpoints)
         self.pool = pool
         self.owns_pool = owns_pool
         self.lease = PoolLease(device, pool, stream, owner)
@@ -240,13 +240,13 @@ class CaptureSession(Recorder):
         """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
         graph = self._current
         mark = cudart.CaptureMark(self.stream_handle) if graph is not None else None
-        copies = self.stager.copies
+        copies = self.staged_breakpoints.copies
         yield
         if graph is None or self._current is not graph:
             self.unswitchable.add(label)
             log.debug("bcg: switchable(%r) ran outside one segment: its nodes always run", label)
             return
-        if self.stager.copies != copies:
+        if self.staged_breakpoints.copies != copies:
             self.unswitchable.add(label)
             log.debug("bcg: switchable(%r) holds a staged breakpoint's copy, which every replay's prepare "
                       "writes: its nodes always run", label)
@@ -299,7 +299,7 @@ class CaptureSession(Recorder):
         if not self.inline:
             return self.on_breakpoint(spec, args, kwargs)
         try:
-            result = self.stager.record(self, spec, args, kwargs)
+            result = self.staged_breakpoints.record(self, spec, args, kwargs)
         except BaseException as exc:
             add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
             raise
@@ -402,7 +402,7 @@ class Capture:
 
     Arguments:
         options: see :class:`CaptureOptions`.
-        stager: records staged breakpoints inline (a :class:`bcg.staged.staging.Stager`).
+        staged_breakpoints: records staged breakpoints inline (a :class:`bcg.staged.staging.StagedBreakpoints`).
 
     .. warning::
         Process-wide for the capture's duration: captures are serialized (a
@@ -411,9 +411,9 @@ class Capture:
         bcg's frees of CUDA graph resources wait (see :mod:`bcg.core.process`).
     """
 
-    def __init__(self, options: CaptureOptions, stager: Any) -> None:
+    def __init__(self, options: CaptureOptions, staged_breakpoints: Any) -> None:
         self.options = options
-        self._stager = stager
+        self._staged_breakpoints = staged_breakpoints
         self.debug = options.debug if options.debug is not None else Debug.from_env()
         self.recording: Recording | None = None
         #: an abandoned capture into a caller's pool leaves its lease here: the graph holds it, so the
@@ -457,8 +457,9 @@ class Capture:
             self._ambient = torch.cuda.current_stream(device)
             stream.wait_stream(self._ambient)
             self._session = CaptureSession(
-                pool, stream, options.capture_error_mode, device, self._stager, options.after_breakpoint,
-                owns_pool=options.pool is None, inline=options.inline, replay_stream=self._ambient,
+                pool, stream, options.capture_error_mode, device, self._staged_breakpoints,
+                options.after_breakpoint, owns_pool=options.pool is None, inline=options.inline,
+                replay_stream=self._ambient,
                 barrier=options.barrier, split_staged=options.split_staged, owner=_owner(),
             )
         except BaseException:
@@ -507,8 +508,8 @@ class Capture:
                     lease=session.lease,
                     guards=self._build_guards(session) if self.debug.guards else None,
                     poison=self._build_poison(session) if self.debug.poison else None,
-                    stager=session.stager or None,
-                    stage_at=session.stage_at if session.stager else None,
+                    staged_breakpoints=session.staged_breakpoints or None,
+                    stage_at=session.stage_at if session.staged_breakpoints else None,
                     unswitchable=frozenset(session.unswitchable),
                     held=held,
                 )

@@ -177,7 +177,7 @@ class CrossingRecorder(StagedWarmup):
         return result
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = NOT_INLINE if self._observe else self.stager.record(self, spec, args, kwargs)
+        result = NOT_INLINE if self._observe else self.staged_breakpoints.record(self, spec, args, kwargs)
         if result is NOT_INLINE:
             return self.on_breakpoint(spec, args, kwargs)
         self._report(spec, result, args, kwargs, lambda t: False)

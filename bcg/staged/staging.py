@@ -223,7 +223,7 @@ def stage(spec: BreakpointSpec, live: Any) -> tuple[Any, list[StagingBuffer]]:
     return staged, written
 
 
-class Stager:
+class StagedBreakpoints:
     """The staged breakpoints of one recording: what a replay asks and prepares before launching.
 
     Each distinct ``fits`` is asked (a two-argument one once per staged value
@@ -382,11 +382,11 @@ class StagedWarmup(Recorder):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stager = Stager()
+        self.staged_breakpoints = StagedBreakpoints()
 
     def on_breakpoint(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self.run_breakpoint(spec.fn, args, kwargs)
 
     def on_staged(self, spec: BreakpointSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = self.stager.record(self, spec, args, kwargs)
+        result = self.staged_breakpoints.record(self, spec, args, kwargs)
         return self.on_breakpoint(spec, args, kwargs) if result is NOT_INLINE else result
