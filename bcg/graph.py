@@ -104,7 +104,7 @@ class Form:
         self._executors: dict[frozenset[str], Executor] = {}
         if self.executor is not None:
             self._executors[frozenset()] = self.executor
-        self.disabled: frozenset[str] = frozenset()  # switchable node groups skipped now
+        self.disabled: frozenset[str] = frozenset()  # node groups skipped now
         self.replays = 0
 
     @property
@@ -174,9 +174,9 @@ class Form:
     def switch(self, disabled: frozenset[str]) -> bool:
         """Skip the node groups ``disabled`` (all or none of a group's nodes); False for a group
         this form cannot skip (its nodes always run)."""
-        unswitchable = self.recording.unswitchable
+        always_run = self.recording.always_run
         done = True
-        target = frozenset(label for label in disabled if label not in unswitchable)
+        target = frozenset(label for label in disabled if label not in always_run)
         if target != disabled:
             done = False
         if self.executor is None or target == self.disabled:
@@ -268,7 +268,7 @@ class BreakableGraph:
             raise ReplayError("a staged tier must capture every staged breakpoint inline (its live metadata "
                               "did not fit its own bounds)")
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
-        self._switch_done = {}  # the new form's unswitchable groups count in the answers
+        self._switch_done = {}  # the new form's always-run groups count in the answers
         form = Form(recording, name, outputs, self._policy, self._suspects, main.recording.pool)
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
@@ -418,7 +418,7 @@ class BreakableGraph:
         return any(f.variants is not None for f in self._forms)
 
     def set_enabled(self, label: str, enabled: bool) -> bool:
-        """Run (``True``) or skip (``False``) the node group ``label`` (``switchable`` blocks) in
+        """Run (``True``) or skip (``False``) the node group ``label`` (``node_group`` blocks) in
         the replays that follow; the runner skips its padded-row zeroing when nothing is padded.
 
         A segment that skips groups replays an executable built without their
@@ -447,7 +447,7 @@ class BreakableGraph:
         done = True
         for form in self._forms:
             if form.breakable:
-                done = done and label not in form.recording.unswitchable
+                done = done and label not in form.recording.always_run
             else:
                 done = form.switch(disabled) and done
         self._switch_done[(label, enabled)] = done

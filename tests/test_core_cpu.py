@@ -76,13 +76,13 @@ def test_graph_break_outside_capture_does_nothing() -> None:
     assert torch.equal(fn(x), unbroken(x))
 
 
-def test_switchable_work_always_runs_without_cuda_graphs() -> None:
-    """Eager mode (and plain calls) run a ``switchable`` block every time; ``set_enabled`` says
+def test_node_group_work_always_runs_without_cuda_graphs() -> None:
+    """Eager mode (and plain calls) run a ``node_group`` block every time; ``set_enabled`` says
     so by refusing to skip it."""
     counter = torch.zeros(())
 
     def fn(t: torch.Tensor) -> torch.Tensor:
-        with bcg.core.session.switchable("extra"):
+        with bcg.core.session.node_group("extra"):
             counter.add_(1)
         return t * 2
 

@@ -384,8 +384,8 @@ def test_after_breakpoint_hook_is_captured_into_the_next_segment() -> None:
         torch.testing.assert_close(y[n:], torch.ones_like(y[n:]), rtol=0, atol=0)
 
 
-def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executors() -> None:
-    """Work inside ``switchable`` blocks, in two segments: disabled, replays skip it; enabled
+def test_node_group_nodes_are_skipped_and_run_again_across_segments_and_executors() -> None:
+    """Work inside ``node_group`` blocks, in two segments: disabled, replays skip it; enabled
     again, they run it. The rest of the graph runs either way, with either executor."""
     @bcg.breakpoint
     def bump(t: torch.Tensor) -> None:
@@ -396,11 +396,11 @@ def test_switchable_nodes_are_skipped_and_run_again_across_segments_and_executor
 
     def fn(a: torch.Tensor) -> torch.Tensor:
         h = a * 2
-        with bcg.core.session.switchable("extra"):
+        with bcg.core.session.node_group("extra"):
             extra.add_(1)  # a kernel
             extra[:8].zero_()  # a memset or a kernel: both can be disabled
         bump(h)
-        with bcg.core.session.switchable("extra"):
+        with bcg.core.session.node_group("extra"):
             h.mul_(3)
         return h + 1
 
@@ -470,13 +470,13 @@ def test_a_skipped_group_between_dependent_kernels_keeps_their_order() -> None:
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = x * 2
-        with bcg.core.session.switchable("extra"):
+        with bcg.core.session.node_group("extra"):
             h.add_(1)
             extra.add_(1)
         h = h.sin() * 3  # reads h right after the group
         bump(h)
         noise = torch.rand(8, device="cuda")  # this segment uses RNG
-        with bcg.core.session.switchable("extra"):
+        with bcg.core.session.node_group("extra"):
             h.add_(1)
         return h.cos(), noise
 
@@ -527,11 +527,11 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
         t.add_(bcg.live())
 
     def body() -> None:
-        with bcg.core.session.switchable("a"):
+        with bcg.core.session.node_group("a"):
             a.add_(1)
-            with bcg.core.session.switchable("a"):
+            with bcg.core.session.node_group("a"):
                 a.add_(10)
-            with bcg.core.session.switchable("b"):
+            with bcg.core.session.node_group("b"):
                 b.add_(1)  # in both groups
 
     def fn(t: torch.Tensor) -> torch.Tensor:
@@ -558,7 +558,7 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
     graph.reset()
 
 
-def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_runs() -> None:
+def test_a_node_group_spanning_a_breakpoint_or_recording_an_event_always_runs() -> None:
     @bcg.breakpoint
     def bp(t: torch.Tensor) -> None:
         t.add_(1)
@@ -568,7 +568,7 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
 
     def spanning(a: torch.Tensor) -> torch.Tensor:
         h = a + 0
-        with bcg.core.session.switchable("s"):
+        with bcg.core.session.node_group("s"):
             counter.add_(1)
             bp(h)  # the segment ends inside the block
         return h * 2
@@ -577,7 +577,7 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
 
     def with_event(a: torch.Tensor) -> torch.Tensor:
         h = a + 0
-        with bcg.core.session.switchable("s"):
+        with bcg.core.session.node_group("s"):
             counter.add_(1)
             event.record()  # an event-record node
         return h * 2
@@ -592,7 +592,7 @@ def test_a_switchable_block_spanning_a_breakpoint_or_recording_an_event_always_r
         graph.reset()
 
 
-def test_a_switchable_block_with_side_stream_work_skips_only_its_own_nodes() -> None:
+def test_a_node_group_with_side_stream_work_skips_only_its_own_nodes() -> None:
     """Side-stream work forked and joined inside the block is the block's: skipped with it.
     Side-stream work recorded before the block and joined inside it is not: bcg cannot
     tell the block's nodes apart, so the group always runs (never the earlier work)."""
@@ -603,7 +603,7 @@ def test_a_switchable_block_with_side_stream_work_skips_only_its_own_nodes() -> 
 
     def joined(t: torch.Tensor) -> torch.Tensor:
         h = t * 2
-        with bcg.core.session.switchable("s"):
+        with bcg.core.session.node_group("s"):
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -617,18 +617,18 @@ def test_a_switchable_block_with_side_stream_work_skips_only_its_own_nodes() -> 
         with torch.cuda.stream(side):
             b.add_(1)  # before the block
         h = t * 2
-        with bcg.core.session.switchable("s"):
+        with bcg.core.session.node_group("s"):
             a.add_(1)
             main.wait_stream(side)  # joined inside it
         return h + 1
 
-    for fn, switchable in ((joined, True), (earlier, False)):
+    for fn, can_skip in ((joined, True), (earlier, False)):
         graph, y = _capture(fn, x)
-        assert graph.set_enabled("s", False) == switchable
+        assert graph.set_enabled("s", False) == can_skip
         da, db = a.clone(), b.clone()
         graph.replay()
         torch.testing.assert_close(y, x * 2 + 1, rtol=0, atol=0)
-        torch.testing.assert_close(a - da, torch.full_like(a, 0.0 if switchable else 1.0), rtol=0, atol=0)
+        torch.testing.assert_close(a - da, torch.full_like(a, 0.0 if can_skip else 1.0), rtol=0, atol=0)
         if fn is earlier:
             torch.testing.assert_close(b - db, torch.ones_like(b), rtol=0, atol=0)  # always runs
         graph.reset()

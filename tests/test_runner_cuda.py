@@ -470,7 +470,7 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     model = _Leaky()
     runner = _runner(model, [64, 256], pool=pool, stream=stream)
     for n in (64, 256):  # the zeroing was recorded as the group, in a segment after each breakpoint
-        per_segment = [len(s.switchable.get(PADDING, ())) for s in runner.graph(n).forms[0].segments]
+        per_segment = [len(s.node_groups.get(PADDING, ())) for s in runner.graph(n).forms[0].segments]
         assert sum(per_segment) >= 4 and sum(k > 0 for k in per_segment) >= 2, (n, per_segment)
     gen = torch.Generator().manual_seed(5)
     for T in (64, 63, 64, 64, 1, 256, 200, 256, 64, 17):
@@ -480,7 +480,7 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
         bucket = runner.bucket_for(T)
         assert asked[-1] == (T < bucket, True), f"T={T}: the zeroing was not switched as asked"
         for step in runner.graph(bucket).forms[0].segments:  # each replays its executable without the zeroing
-            if step.switchable.get(PADDING):
+            if step.node_groups.get(PADDING):
                 assert step.skipped == (frozenset({PADDING}) if T == bucket else frozenset()), (T, step.index)
         assert torch.isfinite(runner.bucket_outputs(bucket)).all(), f"NaN/inf in bucket {bucket} at T={T}"
         with bcg.live_scope(live), torch.no_grad():

@@ -59,9 +59,9 @@ def _live(rng: random.Random) -> Values:
     return Values(tuple(_values(rng, shape, dtype) for shape, dtype in SHAPES))
 
 
-def _graph(rng: random.Random, switchable: str | None = None) -> tuple[bcg.BreakableGraph, list[torch.Tensor]]:
-    """A graph whose staged breakpoint copies every buffer into outputs (inside a switchable block
-    ``switchable`` when given), and those outputs."""
+def _graph(rng: random.Random, group: str | None = None) -> tuple[bcg.BreakableGraph, list[torch.Tensor]]:
+    """A graph whose staged breakpoint copies every buffer into outputs (inside the node group
+    ``group`` when given), and those outputs."""
     staging = Buffers()
 
     @bcg.breakpoint(name="read", mutates=("outs",), prepare=staging.prepare, fits=lambda values: True)
@@ -74,7 +74,7 @@ def _graph(rng: random.Random, switchable: str | None = None) -> tuple[bcg.Break
     outs = [torch.zeros(shape, dtype=dtype, device="cuda") for shape, dtype in SHAPES]
 
     def forward(outs: list[torch.Tensor]) -> torch.Tensor:
-        with bcg.core.session.switchable(switchable) if switchable is not None else contextlib.nullcontext():
+        with bcg.core.session.node_group(group) if group is not None else contextlib.nullcontext():
             read(outs)
         return outs[2].float().sum()  # segment work after the staged step
 
@@ -116,10 +116,10 @@ def test_replays_queued_behind_a_busy_gpu_read_their_own_values(executor: str) -
         assert torch.equal(a.cpu(), e)
 
 
-def test_a_switchable_block_holding_a_staged_copy_always_runs() -> None:
+def test_a_node_group_holding_a_staged_copy_always_runs() -> None:
     # every replay's prepare writes the buffer the copy reads: a group holding it is never skipped
     rng = random.Random(15)
-    graph, outs = _graph(rng, switchable="s")
+    graph, outs = _graph(rng, group="s")
     assert graph.set_enabled("s", False) is False  # the group always runs
     for _ in range(4):
         live = _live(rng)

@@ -406,7 +406,7 @@ def test_a_skipped_group_is_skipped_in_the_fallback_from_its_next_replay() -> No
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         y = block(x)
-        with bcg.core.session.switchable("count"):
+        with bcg.core.session.node_group("count"):
             counter.add_(1)
         return y
 

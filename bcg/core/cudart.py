@@ -202,7 +202,7 @@ def node_type_counts(graph: int) -> Counter[str]:
     return Counter(node_type(node) for node in graph_nodes(graph))
 
 
-SWITCHABLE_NODE_TYPES = frozenset({"kernel", "memcpy", "memset"})
+DISABLEABLE_NODE_TYPES = frozenset({"kernel", "memcpy", "memset"})
 """The node types ``cudaGraphNodeSetEnabled`` can disable."""
 
 

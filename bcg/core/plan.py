@@ -44,8 +44,8 @@ class SegmentStep:
     #: the segment drew random numbers when it ran at capture (torch replays it); False
     #: for a last segment only uploaded (``bcg.capture(compute_outputs=False)``)
     uses_rng: bool = False
-    #: nodes recorded inside ``bcg.core.session.switchable(label)`` blocks, per label
-    switchable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: nodes recorded inside ``bcg.core.session.node_group(label)`` blocks, per label
+    node_groups: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     #: the node groups replays skip now (see :meth:`skip`)
     skipped: frozenset[str] = frozenset()
     #: executables without some node groups: labels -> ``cudaGraphExec_t`` (see :mod:`bcg.core.trim`)
@@ -86,11 +86,11 @@ class SegmentStep:
         (``cudaGraphNodeSetEnabled``: empty nodes). Executors read
         :attr:`exec_handle` and :attr:`launch` when built: rebuild them.
         """
-        labels = frozenset(label for label in labels if self.switchable.get(label))
+        labels = frozenset(label for label in labels if self.node_groups.get(label))
         if labels == self.skipped:
             return
         if self.in_place is None and labels and labels not in self.trimmed:
-            drop = list({int(node): node for label in sorted(labels) for node in self.switchable[label]}.values())
+            drop = list({int(node): node for label in sorted(labels) for node in self.node_groups[label]}.values())
             try:
                 self.trimmed[labels] = trimmed_exec(self.graph_handle, drop, stream)
             except RuntimeError as exc:  # a CUDA refusal (e.g. a node type cudaGraphClone does not copy)
@@ -107,15 +107,15 @@ class SegmentStep:
         enable the others that ``before`` skipped (a node in several groups is off while any is);
         on failure, put back the nodes already switched."""
         graph_exec = int(self.cuda_graph.raw_cuda_graph_exec())  # type: ignore[union-attr]
-        off = {int(node) for label in after for node in self.switchable[label]}
-        changed = {int(node): node for label in before ^ after for node in self.switchable[label]}
+        off = {int(node) for label in after for node in self.node_groups[label]}
+        changed = {int(node): node for label in before ^ after for node in self.node_groups[label]}
         done: list[Any] = []
         try:
             for key, node in changed.items():
                 cudart.set_node_enabled(graph_exec, node, key not in off)
                 done.append(node)
         except BaseException:
-            was_off = {int(node) for label in before for node in self.switchable[label]}
+            was_off = {int(node) for label in before for node in self.node_groups[label]}
             for node in done:
                 cudart.set_node_enabled(graph_exec, node, int(node) not in was_off)
             raise
@@ -244,7 +244,7 @@ class Recording:
     asks and prepares before launching (a :class:`bcg.staged.staging.StagedBreakpoints`;
     None or empty: none). ``stage_at``: the plan index where the staged copies begin (a
     replay launches the steps before it, prepares, then launches the rest; None or 0: it
-    prepares first, see ``CaptureOptions.split_staged``). ``unswitchable``: labels of ``switchable`` blocks
+    prepares first, see ``CaptureOptions.split_staged``). ``always_run``: labels of node groups
     that cannot be disabled (their nodes always run). ``held``: the storages
     outside the pool that the segments read (see :mod:`bcg.core.storages`).
     """
@@ -260,7 +260,7 @@ class Recording:
     poison: Poison | None = None
     staged_breakpoints: Any = None
     stage_at: int | None = None
-    unswitchable: frozenset[str] = frozenset()
+    always_run: frozenset[str] = frozenset()
     held: HeldStorages | None = None
 
     def release(self) -> None:

@@ -76,7 +76,7 @@ _EARLIER_ERROR = ("operation failed due to a previous error during capture", "cu
 
 
 @contextlib.contextmanager
-def switchable(label: str) -> Iterator[None]:
+def node_group(label: str) -> Iterator[None]:
     """Make the CUDA work of the block, where a capture records it, the node group ``label``:
     :meth:`BreakableGraph.set_enabled` turns the group off (and on) for the replays that follow.
 
@@ -88,12 +88,12 @@ def switchable(label: str) -> Iterator[None]:
         Only kernel, memcpy and memset nodes can be disabled. A block that
         records other nodes (events, child graphs) or a staged breakpoint's copy
         (every replay writes it), or in which a segment ends (a breakpoint,
-        ``graph_break()``), makes ``label`` unswitchable for the whole graph:
+        ``graph_break()``), makes the group ``label`` always run for the whole graph:
         its nodes always run and ``set_enabled`` returns False.
     """
     session = ACTIVE.get()
     if isinstance(session, CaptureSession):
-        with session.switchable(label):
+        with session.node_group(label):
             yield
     else:
         yield
@@ -147,8 +147,8 @@ class CaptureSession(Recorder):
         self._segment_index = 0
         self._breakpoint_index = 0
         self._generator = torch.cuda.default_generators[device]
-        self._switch_nodes: dict[str, list[Any]] = {}  # the open segment's switchable nodes, per label
-        self.unswitchable: set[str] = set()  # labels with a block that cannot be switched off
+        self._group_nodes: dict[str, list[Any]] = {}  # the open segment's node groups' nodes, per label
+        self.always_run: set[str] = set()  # labels with a block that cannot be switched off
         self.stage_at: int | None = None  # the plan index the staged copies start at (see staging_point)
         # the storages outside the pool that captured operations read (see bcg.core.storages)
         segment_map = SegmentMap([pool], self.lease)
@@ -167,7 +167,7 @@ class CaptureSession(Recorder):
         graph = SegmentGraph(keep_graph=True)
         _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
         self._current = graph
-        self._switch_nodes = {}
+        self._group_nodes = {}
 
     def close_segment(self, before: str = "the end of the capture", run: bool = True) -> None:
         """End the open segment; keep it (instantiated, uploaded, run once unless ``run`` is
@@ -206,7 +206,7 @@ class CaptureSession(Recorder):
             nodes=nodes,
             kernel_nodes=counts["kernel"],
             uses_rng=self._generator.get_offset() != offset,
-            switchable={label: tuple(group) for label, group in self._switch_nodes.items()},
+            node_groups={label: tuple(group) for label, group in self._group_nodes.items()},
         )
         self._segment_index += 1
         self.plan.append(step)
@@ -236,35 +236,35 @@ class CaptureSession(Recorder):
         self.stream.wait_stream(self.replay_stream)
 
     @contextlib.contextmanager
-    def switchable(self, label: str) -> Iterator[None]:
-        """Record the nodes the block adds to the open segment as group ``label`` (see :func:`switchable`)."""
+    def node_group(self, label: str) -> Iterator[None]:
+        """Record the nodes the block adds to the open segment as group ``label`` (see :func:`node_group`)."""
         graph = self._current
         mark = cudart.CaptureMark(self.stream_handle) if graph is not None else None
         copies = self.staged_breakpoints.copies
         yield
         if graph is None or self._current is not graph:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) ran outside one segment: its nodes always run", label)
+            self.always_run.add(label)
+            log.debug("bcg: node_group(%r) ran outside one segment: its nodes always run", label)
             return
         if self.staged_breakpoints.copies != copies:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) holds a staged breakpoint's copy, which every replay's prepare "
+            self.always_run.add(label)
+            log.debug("bcg: node_group(%r) holds a staged breakpoint's copy, which every replay's prepare "
                       "writes: its nodes always run", label)
             return
         assert mark is not None
         added = mark.added()
         if added is None:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) recorded work bcg cannot tell apart from the work before it "
+            self.always_run.add(label)
+            log.debug("bcg: node_group(%r) recorded work bcg cannot tell apart from the work before it "
                       "(another stream's, not joined back in the block): its nodes always run", label)
             return
         kinds = {cudart.node_type(n) for n in added}
-        if not kinds <= cudart.SWITCHABLE_NODE_TYPES:
-            self.unswitchable.add(label)
-            log.debug("bcg: switchable(%r) recorded %s nodes, which CUDA cannot disable: its nodes always run",
-                      label, ", ".join(sorted(kinds - cudart.SWITCHABLE_NODE_TYPES)))
+        if not kinds <= cudart.DISABLEABLE_NODE_TYPES:
+            self.always_run.add(label)
+            log.debug("bcg: node_group(%r) recorded %s nodes, which CUDA cannot disable: its nodes always run",
+                      label, ", ".join(sorted(kinds - cudart.DISABLEABLE_NODE_TYPES)))
             return
-        group = self._switch_nodes.setdefault(label, [])
+        group = self._group_nodes.setdefault(label, [])
         known = {int(n) for n in group}
         group.extend(n for n in added if int(n) not in known)  # a nested block of the same label
 
@@ -510,7 +510,7 @@ class Capture:
                     poison=self._build_poison(session) if self.debug.poison else None,
                     staged_breakpoints=session.staged_breakpoints or None,
                     stage_at=session.stage_at if session.staged_breakpoints else None,
-                    unswitchable=frozenset(session.unswitchable),
+                    always_run=frozenset(session.always_run),
                     held=held,
                 )
             finally:

@@ -9,7 +9,7 @@ and every other crossing tensor the run allocated (never weights, caches,
 static or by-reference inputs), along the dims that equal the bucket size and
 grow with it (a shape seen at another size).
 
-All of that zeroing is the :data:`PADDING` node group (``bcg.core.session.switchable``): a
+All of that zeroing is the :data:`PADDING` node group (``bcg.core.session.node_group``): a
 call whose ``T`` equals its bucket has no padded row, and the runner switches
 the group off for it (its segments replay executables without those nodes),
 and on again for the next call that pads.
@@ -30,7 +30,7 @@ from bcg.core import cudart
 from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, crossing_tensors, tensor_leaves
 from bcg.core.bridge import argument_keys, in_place_position
 from bcg.core.pool import blocks
-from bcg.core.session import switchable
+from bcg.core.session import node_group
 from bcg.core.torch_internals import TorchDispatchMode, has_internal_overlap
 from bcg.runner.inputs import StaticInputs
 from bcg.staged.staging import StagedWarmup
@@ -278,7 +278,7 @@ class PaddingSanitizer:
         in the :data:`PADDING` node group)."""
         if not self.enabled:
             return
-        with switchable(PADDING):
+        with node_group(PADDING):
             torch.ge(self._arange[:n], self._t_dev, out=self._pad_mask[:n])
             for view, dim in self._static.padded_views(views):
                 view.masked_fill_(self._mask_view(n, dim, view.dim()), 0)
@@ -382,7 +382,7 @@ class PaddingSanitizer:
             if len(zeroings) != len(tensors):
                 log.debug("bcg.GraphRunner: a breakpoint crossed %d tensor(s) at size %d, %d in the "
                           "warm-up; the extra ones are not sanitized", len(tensors), n, len(zeroings))
-            with switchable(PADDING):
+            with node_group(PADDING):
                 for z, t in zip(zeroings, tensors):
                     if z.dims and t.dtype == z.dtype and t.shape == z.shape:
                         for dim in z.dims:
