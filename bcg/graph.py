@@ -159,7 +159,7 @@ class Form:
         return make_executor(self.plan, name)
 
     def _rebuild_executor(self) -> None:
-        """Rebuild the executor from the plan (keyed steps retired to plain calls), same kind."""
+        """Rebuild the executor from the plan (keyed steps made plain breakpoint calls again), same kind."""
         if self.executor is not None:
             self._set_executor(self._new_executor(self.executor.name))
 

@@ -64,7 +64,7 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
             assert row["hit_rate"] == 1.0 and row["stitched_share"] == 1.0 and row["variant_captures"] == 0, row
             assert row["cache_mib"] > 0 and "inline_fraction" not in row, row
             assert row["stitched_instantiations"] >= 1 and row["stitched_instantiate_ms"] > 0, row
-        if row["mode"] == "bcg-specialized-never":  # retired to plain calls during the warm-up calls
+        if row["mode"] == "bcg-specialized-never":  # made plain breakpoint calls during the warm-up calls
             assert row["hit_rate"] is None and row["stitched_share"] == 0.0 and row["variant_captures"] == 0, row
         if row["mode"] in ("bcg", "bcg-python"):
             assert row["breakpoints"] == 2 and row["segments"] == 3

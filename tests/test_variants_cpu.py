@@ -168,7 +168,7 @@ def test_a_graph_without_keyed_breakpoints_has_no_variants() -> None:
     assert graph.forms[0].variants is None and graph.stats().keyed is None
 
 
-def test_keys_that_never_repeat_retire_the_breakpoint_to_plain_calls() -> None:
+def test_keys_that_never_repeat_make_the_breakpoint_plain_calls() -> None:
     x = torch.randn(4)
     graph = bcg.make_graph(_forward, x, live=Meta((1,)), mode="eager", variants=bcg.VariantPolicy(window=4))
     for n in range(2, 10):  # never the same key

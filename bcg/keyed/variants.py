@@ -339,12 +339,12 @@ class VariantCache:
     """
 
     def __init__(self, plan: tuple[Step, ...] | list[Step], device: int | None, policy: VariantPolicy,
-                 on_retire: Callable[[], None] | None = None, suspects: list[Any] | None = None,
+                 on_made_plain: Callable[[], None] | None = None, suspects: list[Any] | None = None,
                  graph_pool: PoolHandle | None = None) -> None:
         self.policy = policy
         self._suspects = suspects if suspects is not None else []  # the graph's: where variants post suspects
         self.graph_pool = graph_pool  # arguments and bridges live there: not held by variants
-        self._on_retire = on_retire  # the graph rebuilds its executor: retired steps call fn directly
+        self._on_made_plain = on_made_plain  # the graph rebuilds its executor: plain steps call fn directly
         self.device = device
         self.book = KeyBook(policy)
         self._plan = tuple(plan)
@@ -437,7 +437,7 @@ class VariantCache:
 
     def _observe(self, spec: BreakpointSpec, key: Hashable) -> None:
         """Count ``spec``'s key for this replay; when capturing stops, free its unused variants and,
-        if none is left, retire it to plain calls."""
+        if none is left, make its steps plain breakpoint calls."""
         st = self.book.stats(spec)
         was_capturing = st.capturing
         served = None
@@ -448,7 +448,7 @@ class VariantCache:
         if was_capturing and not st.capturing:
             self._drop_unused(spec, key)
             if not any(e.spec is spec for _, e in self._entries.items()):
-                self._retire(spec)
+                self._make_plain(spec)
 
     def _children(self, keys: dict[BreakpointSpec, Hashable]) -> list[int]:
         """The ``cudaGraph_t`` of each step of the plan in order (steps that launch nothing left out)."""
@@ -564,7 +564,7 @@ class VariantCache:
             log.info("bcg: keyed breakpoint %r: freed %d variant key(s) that never served a replay", spec.name,
                      len(unused))
 
-    def _retire(self, spec: BreakpointSpec) -> None:
+    def _make_plain(self, spec: BreakpointSpec) -> None:
         """``spec`` stopped capturing and holds no variant: its steps become plain breakpoint calls
         (from the next replay on), so they cost exactly what an unkeyed breakpoint costs."""
         self._specs = tuple(s for s in self._specs if s is not spec)
@@ -574,8 +574,8 @@ class VariantCache:
         self.book.stats(spec).stopped = f"{self.book.stats(spec).stopped}; it now runs as a plain breakpoint"
         if self.stitch_blocker is None:
             self.stitch_blocker = f"breakpoint {spec.name!r} stopped capturing variants (its keys did not repeat)"
-        if self._on_retire is not None:
-            self._on_retire()
+        if self._on_made_plain is not None:
+            self._on_made_plain()
 
     def evict(self, spec: BreakpointSpec, key: Hashable) -> None:
         """Drop the variants of ``spec`` for ``key`` (after a failed audit): the key is captured anew."""

@@ -261,8 +261,8 @@ class GraphRunner:
 
     def _locked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None) -> Any:
         with self._lock.for_caller():
-            if self._ladder.retired:
-                self._ladder.free_retired()
+            if self._ladder.kept_own_pools:
+                self._ladder.free_kept_own_pools()
             if not self._schedule.serving:
                 if not self._schedule.lazy:
                     raise ReplayError(f"GraphRunner({self.name}) is not captured: call runner.capture() first")

@@ -155,7 +155,7 @@ class Ladder:
     def clear(self) -> None:
         """Forget every bucket and run (the graphs must have been freed)."""
         self.buckets = {b: Bucket(b) for b in self.sizes}
-        self.retired: list[Bucket] = []  # graphs in pools of their own, freed at the next call
+        self.kept_own_pools: list[Bucket] = []  # own pools (and graphs) taken from buckets: freed at the next call
         self.capture_total_s = 0.0
         self._out_shapes: dict[int, tuple[Any, list[tuple[int, ...] | None]]] = {}
         self.probe_size = self._choose_probe_size()
@@ -315,7 +315,7 @@ class Ladder:
         freed = [b for b in self.buckets.values() if b.own_pool is not None]
         for bucket in freed:
             if keep:
-                self.retired.append(Bucket(bucket.size, graph=bucket.graph, own_pool=bucket.own_pool))
+                self.kept_own_pools.append(Bucket(bucket.size, graph=bucket.graph, own_pool=bucket.own_pool))
                 bucket.graph, bucket.own_pool, bucket.leaves = None, None, None
                 bucket.sliced.clear()
             else:
@@ -323,16 +323,17 @@ class Ladder:
             bucket.captured = False
         return freed
 
-    def free_retired(self) -> None:
-        """Free what :meth:`free_own_pools` kept (the call lock is held)."""
-        while self.retired:
-            self.retired.pop().free_graphs()
+    def free_kept_own_pools(self) -> None:
+        """Free the own pools (and their graphs) :meth:`free_own_pools` kept (the call lock is held)."""
+        while self.kept_own_pools:
+            self.kept_own_pools.pop().free_graphs()
 
     def pool_bytes(self) -> int:
         """Bytes of the runner's pool, and of any bucket's pool of its own."""
         if self.mode != "graph" or self.pool is None:
             return 0
-        leases = [b.own_pool for b in [*self.buckets.values(), *self.retired]]  # (read once: a capture may clear one)
+        # (each read once: a capture may clear one)
+        leases = [b.own_pool for b in [*self.buckets.values(), *self.kept_own_pools]]
         own = [lease.pool for lease in leases if lease is not None]
         return sum(pool_bytes(pool, self.device.index) for pool in [self.pool, *own])
 
@@ -525,7 +526,7 @@ class Ladder:
         """Free every bucket's graph, the runner's share of the pool and the static buffers."""
         for bucket in self.buckets.values():
             bucket.free_graphs()
-        self.free_retired()
+        self.free_kept_own_pools()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
