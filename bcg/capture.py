@@ -137,14 +137,14 @@ def capture_into(
     options: CaptureOptions,
     *,
     variants: VariantPolicy | None = None,
-    form: str = "main",
+    form: str = "first",
     agree: Callable[[], bool] | None = None,
     release: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Capture ``fn()`` into ``graph``; return what it returned.
 
     Arguments:
-        form: ``"main"``: the graph's first form (the graph must be empty);
+        form: ``"first"``: the graph's first form (the graph must be empty);
             ``"breakable"``: its breakable form (staged breakpoints recorded as
             breakpoints), captured into its pool; ``"tier"``: a staged form with
             smaller bounds (its ``fn`` ends by copying its outputs into the
@@ -161,7 +161,7 @@ def capture_into(
     every staged breakpoint anyway.
     """
     options = dataclasses.replace(options, split_staged=True)
-    if form != "main":
+    if form != "first":
         options = dataclasses.replace(options, pool=graph.pool(), inline=form == "tier", watch=False)
     cap = Capture(options, StagedBreakpoints())
     try:
@@ -174,19 +174,19 @@ def capture_into(
             graph.reset()
         raise
     assert cap.recording is not None
-    kept = None if form == "main" else (release(out) if release is not None else out)
+    kept = None if form == "first" else (release(out) if release is not None else out)
     _install(graph, cap.recording, kept, variants, form, agree)
     return out
 
 
 def _install(graph: BreakableGraph, recording: Recording, outputs: Any, variants: VariantPolicy | None,
-             form: str = "main", agree: Callable[[], bool] | None = None) -> None:
+             form: str = "first", agree: Callable[[], bool] | None = None) -> None:
     """Give ``recording`` to ``graph`` (its first form, or another one); freed if the graph (or
     another rank) refuses it."""
     try:
         if agree is not None and not agree():
             raise CaptureError("another rank failed to capture it")
-        if form == "main":
+        if form == "first":
             graph.install(recording, variants)
         else:
             graph.add_form(recording, outputs, tier=form == "tier")

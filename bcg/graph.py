@@ -215,7 +215,7 @@ class BreakableGraph:
 
     def __init__(self) -> None:
         self._forms: list[Form] = []
-        self._main: Form | None = None  # the first capture (the inline form of a staged graph)
+        self._first: Form | None = None  # the first capture (the inline form of a staged graph)
         self._lease: PoolLease | None = None  # held since an abandoned capture into a caller's pool
         self._was_reset = False
         self._replaying = 0  # replays in progress (a breakpoint may reset, or another thread)
@@ -241,8 +241,8 @@ class BreakableGraph:
             recording.held.set_bcg_tensors(functools.partial(breakpoint_tensors, recording.plan))
         self._policy = variants
         name = "inline" if recording.staged_breakpoints else "graph"
-        self._main = Form(recording, name, None, variants, self._suspects, recording.pool)
-        self._forms = [self._main]
+        self._first = Form(recording, name, None, variants, self._suspects, recording.pool)
+        self._forms = [self._first]
         self._switch_done = {}
         self._was_reset = False
         self._breakable_replays = {}
@@ -255,8 +255,8 @@ class BreakableGraph:
         returned; after it replays they are copied into :attr:`outputs` (nothing is copied
         when they are those tensors). Its storages are the first form's (the same code).
         """
-        main = self._main
-        if main is None:
+        first = self._first
+        if first is None:
             raise ReplayError("add_form needs a captured graph: capture its first form with bcg.capture")
         if self.outputs is None or outputs is None:
             raise ReplayError(
@@ -269,7 +269,7 @@ class BreakableGraph:
                               "did not fit its own bounds)")
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
         self._switch_done = {}  # the new form's always-run groups count in the answers
-        form = Form(recording, name, outputs, self._policy, self._suspects, main.recording.pool)
+        form = Form(recording, name, outputs, self._policy, self._suspects, first.recording.pool)
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
             # nodes of skipped groups in place, right before it replays, rather than each
@@ -279,7 +279,7 @@ class BreakableGraph:
                     step.in_place = "it is a breakable form: its nodes are disabled in place"
             self._forms.append(form)
         else:
-            self._forms.insert(self._forms.index(main), form)
+            self._forms.insert(self._forms.index(first), form)
             if self._disabled:
                 form.switch(self._disabled)
 
@@ -382,15 +382,15 @@ class BreakableGraph:
                 f"cuda:{current}: replay it under torch.cuda.device({device})"
             )
         self.check_held()
-        if form.breakable and self._main is not None and self._main.staged_breakpoints is not None:
+        if form.breakable and self._first is not None and self._first.staged_breakpoints is not None:
             if reason is None:  # (chosen by ranks' agreement)
-                reason = self._main.misfit(live) or "another rank's metadata does not fit"
+                reason = self._first.misfit(live) or "another rank's metadata does not fit"
             self._breakable_replays[reason] = self._breakable_replays.get(reason, 0) + 1
             if form.disabled != self._disabled:
                 form.switch(self._disabled)  # the groups set_enabled switched since it last replayed
-        main = self._main.recording if self._main is not None else rec
-        guards = rec.guards if rec.guards is not None else main.guards
-        poison = rec.poison if rec.poison is not None else main.poison
+        first = self._first.recording if self._first is not None else rec
+        guards = rec.guards if rec.guards is not None else first.guards
+        poison = rec.poison if rec.poison is not None else first.poison
         token = set_live(live)
         self._replaying += 1
         try:
@@ -463,8 +463,8 @@ class BreakableGraph:
     @property
     def executor(self) -> str:
         """Which executor replays this graph (``"python"`` or ``"native"``; ``"none"`` in eager mode)."""
-        main = self._main
-        return main.executor.name if main is not None and main.executor is not None else "none"
+        first = self._first
+        return first.executor.name if first is not None and first.executor is not None else "none"
 
     # -- inspection ---------------------------------------------------------------------
     @property
@@ -474,59 +474,59 @@ class BreakableGraph:
     @property
     def outputs(self) -> Any:
         """What the captured code returned (its tensors are rewritten by every replay)."""
-        return self._main.outputs if self._main is not None else None
+        return self._first.outputs if self._first is not None else None
 
     @outputs.setter
     def outputs(self, value: Any) -> None:
-        main = self._main
-        if main is None:
+        first = self._first
+        if first is None:
             raise ReplayError("set graph.outputs after the capture")
-        old = main.outputs
+        old = first.outputs
         for form in self._forms:  # the forms that write the graph's outputs in the graph (tiers)
             if form.outputs is old:
                 form.outputs = value
-        main.outputs = value
+        first.outputs = value
 
     @property
     def mode(self) -> str:
         """``"graph"`` (CUDA graph segments) or ``"eager"`` (re-runs the function)."""
-        return self._main.recording.mode if self._main is not None else "graph"
+        return self._first.recording.mode if self._first is not None else "graph"
 
     @property
     def plan(self) -> tuple[Step, ...]:
         """The first form's replay plan: segment and breakpoint steps in stream order."""
-        return self._main.plan if self._main is not None else ()
+        return self._first.plan if self._first is not None else ()
 
     @property
     def device(self) -> int | None:
-        return self._main.recording.device if self._main is not None else None
+        return self._first.recording.device if self._first is not None else None
 
     def pool(self) -> PoolHandle:
         """The private memory pool token; pass it as ``pool=`` to share it with another graph."""
-        if self._main is None or self._main.recording.pool is None:
+        if self._first is None or self._first.recording.pool is None:
             raise ReplayError("this graph has no memory pool: capture it first")
-        return self._main.recording.pool
+        return self._first.recording.pool
 
     @property
     def staged(self) -> tuple[str, ...]:
         """The staged breakpoints captured inline (their names)."""
-        staged = self._main.recording.staged_breakpoints if self._main is not None else None
+        staged = self._first.recording.staged_breakpoints if self._first is not None else None
         return tuple(staged.names) if staged else ()
 
     def stats(self) -> GraphStats:
         """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds, and the
         staged and keyed sub-records."""
-        main = self._main
-        if main is None:
+        first = self._first
+        if first is None:
             return GraphStats("graph", 0, 0, (), 0, 0, 0.0)
-        rec = main.recording
+        rec = first.recording
         graph_mode = rec.mode == "graph"
-        segments = main.segments
-        breakpoints = [s for s in main.plan if isinstance(s, BreakpointStep)]
+        segments = first.segments
+        breakpoints = [s for s in first.plan if isinstance(s, BreakpointStep)]
         staged = None
-        if main.staged_breakpoints is not None:
+        if first.staged_breakpoints is not None:
             staged_forms = [f for f in self._forms if f.staged_breakpoints is not None]
-            staged = StagedStats(tuple(main.staged_breakpoints.names), tuple(f.replays for f in staged_forms),
+            staged = StagedStats(tuple(first.staged_breakpoints.names), tuple(f.replays for f in staged_forms),
                                  dict(self._breakable_replays))
         keyed = {f.name: f.variants.stats() for f in self._forms if f.variants is not None} or None
         return GraphStats(
@@ -575,7 +575,7 @@ class BreakableGraph:
         for form in forms:
             if form.recording.held is not None:
                 form.recording.held.release()  # (no CUDA call: stop checking now)
-        self._forms, self._main, self._lease = [], None, None
+        self._forms, self._first, self._lease = [], None, None
         self._suspects, self._disabled, self._switch_done = [], frozenset(), {}
         self._breakable_replays = {}
         self.source = None
@@ -620,11 +620,11 @@ class BreakableGraph:
 
     def dump_dot(self, directory: str | os.PathLike[str]) -> list[str]:
         """Write one DOT file per segment of the first form (``cudaGraphDebugDotPrint``); return their paths."""
-        if self._main is None or self._main.executor is None:
+        if self._first is None or self._first.executor is None:
             raise ReplayError("dump_dot needs a graph captured in graph mode")
         os.makedirs(directory, exist_ok=True)
         paths = []
-        for seg in self._main.segments:
+        for seg in self._first.segments:
             path = os.path.join(os.fspath(directory), f"segment_{seg.index:03d}.dot")
             cudart.dot_print(seg.graph_handle, path)
             paths.append(path)

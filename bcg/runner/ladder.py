@@ -416,7 +416,7 @@ class Ladder:
         bucket.leaves = leaves
         bucket.captured = True
 
-    def _capture_graph(self, graph: BreakableGraph, n: int, live: Any, form: str = "main", into: Any = None,
+    def _capture_graph(self, graph: BreakableGraph, n: int, live: Any, form: str = "first", into: Any = None,
                        pool: PoolHandle | None = None, agree: Callable[[], bool] | None = None,
                        release: Callable[[Any], Any] | None = None) -> Any:
         """Capture the padded forward at size ``n`` into ``graph`` (its ``form``, see
