@@ -199,7 +199,7 @@ class Form:
         return done
 
     def free(self) -> None:
-        """Release the form's variants, steps and pool share (see :mod:`bcg.core.process`)."""
+        """Release the form's variants, steps and pool lease (see :mod:`bcg.core.process`)."""
         if self.variants is not None:
             self.variants.release()
         self.recording.release()
@@ -284,7 +284,7 @@ class BreakableGraph:
                 form.switch(self._disabled)
 
     def hold(self, lease: PoolLease | None) -> None:
-        """Keep ``lease`` (a share of the pool) until ``reset()``, releasing any other one held.
+        """Keep ``lease`` (a pool lease) until ``reset()``, releasing any other one held.
 
         An abandoned capture into a caller's pool leaves its lease here, so that
         the pool stays usable for the next capture.
@@ -549,8 +549,8 @@ class BreakableGraph:
 
     # -- release -------------------------------------------------------------------------
     def reset(self) -> None:
-        """Free every form's segments, bridges, held arguments and storages, and the graph's share
-        of its pool.
+        """Free every form's segments, bridges, held arguments and storages, and the graph's pool
+        lease.
 
         Tensors the captured code returned (``outputs``) stay valid only as long
         as you hold them; their pool memory is returned when you drop them.

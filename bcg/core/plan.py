@@ -237,7 +237,7 @@ def breakpoint_tensors(plan: Sequence[Step]) -> list[torch.Tensor]:
 class Recording:
     """What one capture (or an eager-mode recording) produced: one form of a graph.
 
-    ``plan``: the steps in stream order. ``lease``: the graph's share of ``pool``
+    ``plan``: the steps in stream order. ``lease``: the graph's pool lease on ``pool``
     (released with the graph). ``rerun``: eager mode's replay (re-runs the
     function). ``guards``/``poison``: the debugging aids checked before each
     replay. ``staged_breakpoints``: the staged breakpoints captured inline, which a replay
@@ -264,7 +264,7 @@ class Recording:
     held: HeldStorages | None = None
 
     def release(self) -> None:
-        """Stop checking the held storages, release the steps and the pool share (idempotent)."""
+        """Stop checking the held storages, release the steps and the pool lease (idempotent)."""
         if self.held is not None:
             self.held.release()
         for step in self.plan:

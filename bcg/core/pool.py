@@ -94,7 +94,7 @@ class SegmentGraph(torch.cuda.CUDAGraph):
 
 
 class PoolLease:
-    """A graph's share of a private pool, from capture until ``reset()``.
+    """A pool lease: a graph's hold on a private pool, from capture until ``reset()``.
 
     torch counts a pool's users in both its device and its pinned-host
     allocator, and asserts when a pool whose count dropped to zero is captured
@@ -110,9 +110,9 @@ class PoolLease:
 
     def __init__(self, device: int, pool: PoolHandle, stream: torch.cuda.Stream, owner: str = "a bcg graph") -> None:
         self.device, self.pool = device, pool
-        share = _LeaseGraph()
-        share.owner = owner
-        self._graphs: list[torch.cuda.CUDAGraph] = [share]
+        holder = _LeaseGraph()
+        holder.owner = owner
+        self._graphs: list[torch.cuda.CUDAGraph] = [holder]
         with torch.cuda.stream(stream), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             # thread_local: a global-mode capture, however short, would refuse other threads'

@@ -147,7 +147,7 @@ class Ladder:
         self._variants = variants
         self._debug = debug
         self.ranks = ranks
-        self._lease: PoolLease | None = None  # the runner's share of its pool
+        self._lease: PoolLease | None = None  # the runner's pool lease
         self._barrier: Callable[[], None] | None = None  # the open bucket's CaptureVote.barrier
         self.largest_alone: int | None = None
         self.clear()
@@ -523,7 +523,7 @@ class Ladder:
         return size
 
     def free(self) -> None:
-        """Free every bucket's graph, the runner's share of the pool and the static buffers."""
+        """Free every bucket's graph, the runner's pool lease and the static buffers."""
         for bucket in self.buckets.values():
             bucket.free_graphs()
         self.free_kept_own_pools()
