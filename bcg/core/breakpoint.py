@@ -375,7 +375,7 @@ def breakpoint(  # noqa: A001 - the public name is part of the contract
             checked against the signature: ``TypeError`` otherwise; default:
             any tensor argument may be); padding sanitizers run on exactly those.
         prepare, fits: make the breakpoint *staged*: captured inline, reading
-            metadata that ``prepare(live)`` stages in static buffers at every
+            metadata that ``prepare(live)`` stages in staging buffers at every
             replay, whenever ``fits(live)`` (or ``fits(live, staged)``, given what
             ``prepare`` returned at capture); see :mod:`bcg.staged.staging` for the contract.
         key: make the breakpoint *keyed*: ``key(live)`` returns a hashable value

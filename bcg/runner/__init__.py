@@ -4,7 +4,7 @@
 * :mod:`~bcg.runner.ladder` - the buckets, and how one bucket is warmed up and captured;
 * :mod:`~bcg.runner.schedule` - when buckets are captured: now, lazily, in the background;
 * :mod:`~bcg.runner.buckets` - ladders of sizes, and the padding a size costs;
-* :mod:`~bcg.runner.inputs` - input specs, call validation, the static buffers and their padding;
+* :mod:`~bcg.runner.inputs` - input specs, call validation, the static inputs and their padding;
 * :mod:`~bcg.runner.sanitizer` - the in-graph zeroing of padded rows;
 * :mod:`~bcg.runner.pool_lock` - the call lock of runners sharing a pool;
 * :mod:`~bcg.runner.arguments`, :mod:`~bcg.runner.stats` - the constructor's checks; ``stats()``.

@@ -442,7 +442,7 @@ class GraphRunner:
 
     def input_buffers(self, T: int) -> tuple[Any, ...]:
         """Inputs for a call with ``T`` rows that the call does not copy: the first ``T`` rows of
-        the static input buffers of ``T``'s bucket (by-reference and value inputs as given).
+        the static inputs of ``T``'s bucket (by-reference and value inputs as given).
 
         Fill them in place (``buf.copy_(ids)``, or write the batch there as it is
         built) and pass them as the call's inputs: the call then skips the
@@ -524,7 +524,7 @@ class GraphRunner:
 
     # -- release ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Free every bucket's graph, the static buffers and counters; ``capture()`` again to reuse.
+        """Free every bucket's graph, the static inputs and counters; ``capture()`` again to reuse.
 
         A background capture is stopped first (after the bucket it is capturing)."""
         self._schedule.stop()

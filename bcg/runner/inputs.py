@@ -1,5 +1,5 @@
 """The runner's inputs: what each position of ``example_inputs`` requires, call validation,
-and the static buffers every bucket's graph reads its inputs from."""
+and the static inputs every bucket's graph reads."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def check_inputs(specs: list[InputSpec], inputs: tuple[Any, ...], runner: str) -
 
 
 class StaticInputs:
-    """The static buffers of the padded inputs, shared by every bucket.
+    """The static inputs: the buffers of the padded inputs, which every bucket's graph reads.
 
     A padded input whose dims before ``pad_dim`` are all 1 gets one buffer of
     ``rows`` rows, and each bucket reads a prefix of it; any other gets one
@@ -176,7 +176,7 @@ class StaticInputs:
         return [*self._buffers.values(), *self._own_buffers.values()]
 
     def views(self, n: int) -> list[Any]:
-        """The inputs ``forward`` is run on at size ``n``: static buffers of ``n`` rows, and the rest."""
+        """The inputs ``forward`` is run on at size ``n``: static inputs of ``n`` rows, and the rest."""
         views = self._views.get(n)
         if views is not None:
             return views

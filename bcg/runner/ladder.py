@@ -523,7 +523,7 @@ class Ladder:
         return size
 
     def free(self) -> None:
-        """Free every bucket's graph, the runner's pool lease and the static buffers."""
+        """Free every bucket's graph, the runner's pool lease and the static inputs."""
         for bucket in self.buckets.values():
             bucket.free_graphs()
         self.free_kept_own_pools()

@@ -1,1 +1,1 @@
-"""Staged breakpoints: live metadata written into static buffers, the breakpoint captured inline."""
+"""Staged breakpoints: live metadata written into staging buffers, the breakpoint captured inline."""
