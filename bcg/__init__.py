@@ -1,4 +1,4 @@
-"""bcg: breakable CUDA graphs for almost-capturable PyTorch code.
+"""bcg: breakpoint CUDA graphs for almost-capturable PyTorch code.
 
 Wrap a forward pass in :class:`capture`; each :func:`breakpoint` call ends a
 CUDA graph segment, runs eagerly, and begins the next; :meth:`BreakableGraph.replay`

@@ -99,7 +99,7 @@ def writable_dir(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bcg-bench",
-        description="Benchmark breakable CUDA graphs (bcg) against eager, one CUDA graph (floor) and peer libraries.",
+        description="Benchmark breakpoint CUDA graphs (bcg) against eager, one CUDA graph (floor) and peer libraries.",
         epilog=f"Timing: {TIMING_NOTE}.",
     )
     p.add_argument("--workload", type=_names("workload", list(WORKLOADS)), default=_Every(WORKLOADS),
