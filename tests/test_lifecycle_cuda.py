@@ -90,7 +90,7 @@ def test_moved_weights_are_refused_until_a_recapture(kind: str) -> None:
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_a_reset_runner_gives_its_memory_back_and_wakes_on_moved_weights(lazy: bool) -> None:
-    """Sleep: reset() frees every graph, the pool and the static buffers (memory reserved back to
+    """Sleep: reset() frees every graph, the pool and the static inputs (memory reserved back to
     its level before the capture, but for torch's cuBLAS workspaces). The weights then move.
     Wake: capture() (or, lazily, the calls) rebuilds the ladder on the new weights."""
     forward, weights, live = _model("plain")

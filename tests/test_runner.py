@@ -1,6 +1,6 @@
 """bcg.GraphRunner and the bucket ladders, on a CPU (the runner in eager mode).
 
-Eager mode runs ``forward`` on the padded static buffers with the same bucket
+Eager mode runs ``forward`` on the padded static inputs with the same bucket
 choice, padding, sanitizing of tensors crossing breakpoints and output slicing
 as graph mode, so everything but the CUDA graphs themselves is exercised here.
 """

@@ -109,7 +109,7 @@ def _capture_meta(n: int) -> Meta:
 
 def _runner(block: Block, buckets: list[int], live=_capture_meta) -> bcg.GraphRunner:  # noqa: ANN001
     x = torch.randn(buckets[-1], HIDDEN, device="cuda", dtype=DTYPE)
-    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), live=capture_live, progress=False).capture()
+    return bcg.GraphRunner(block, buckets=buckets, example_inputs=(x,), live=live, progress=False).capture()
 
 
 def _eager(block: Block, x: torch.Tensor, meta: Meta) -> torch.Tensor:

@@ -40,7 +40,7 @@ class Case:
     bp_raw: Callable[..., Any]
     bp_frozen: Callable[..., Any]
     num_breaks: int
-    # writes fresh (True) or the original (False) random inputs into the static buffers
+    # writes fresh (True) or the original (False) random inputs into the static inputs
     write_inputs: Callable[[bool], None]
     fields: dict[str, Any] = field(default_factory=dict)  # extra row fields (shape, lengths, ...)
     iters: int | None = None  # timed replays for this case (None: --iters)

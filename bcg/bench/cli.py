@@ -6,7 +6,7 @@ same inputs: build (capture) every mode and time its first replay; then take
 in rounds: each round runs every mode once as a short block (``--warmup``
 untimed, then up to 5 timed replays) in a random order (see
 :func:`bcg.bench.timing.sample_interleaved`); then, mode by mode, write fresh
-random inputs into the static input buffers, replay once more and compare with
+random inputs into the static inputs, replay once more and compare with
 an eager reference on those inputs (``rel_err``). Before that check, modes that
 time their host path (``Built.host``: the floors and bcg's) are called
 :data:`HOST_CALLS` more times each, interleaved the same way, the GPU idle

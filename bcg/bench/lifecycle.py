@@ -133,7 +133,7 @@ def measure(
             "first_T": T,
             "to_first_result_s": first,
             # the first call's pieces: its bucket's warm-up and capture, and all the first
-            # capture took (any probe run, the static buffers and the bucket)
+            # capture took (any probe run, the static inputs and the bucket)
             "first_bucket_capture_s": stats["capture_s"][order[0]],
             "first_capture_total_s": stats["capture_total_s"],
         }
