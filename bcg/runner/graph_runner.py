@@ -29,7 +29,7 @@ from bcg.keyed.variants import VariantPolicy
 from bcg.runner.arguments import check_runner_arguments
 from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket, too_padded
 from bcg.runner.inputs import HandedInputs, check_inputs, describe_inputs, padded_device
-from bcg.runner.ladder import Bucket, Ladder
+from bcg.runner.ladder import Ladder
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
 from bcg.runner.sanitizer import PADDING, CrossingRecorder
 from bcg.runner.schedule import CaptureSchedule
