@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Iterable
+from types import FrameType
 
 
 def add_note(exc: BaseException, note: str) -> None:
@@ -18,16 +20,31 @@ def add_note(exc: BaseException, note: str) -> None:
         pass
 
 
-def user_line(frames: Iterable[traceback.FrameSummary]) -> str:
-    """``file:line: code`` of the innermost frame outside torch and bcg ("" if none)."""
+def _library_dirs() -> tuple[str, str]:
+    """The folders of torch and bcg: frames there are not the user's."""
     import torch
 
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    return os.path.dirname(torch.__file__), os.path.dirname(__file__)
+
+
+def user_line(frames: Iterable[traceback.FrameSummary]) -> str:
+    """``file:line: code`` of the innermost frame outside torch and bcg ("" if none)."""
+    skip = _library_dirs()
     found = ""
     for frame in frames:
         if not frame.filename.startswith(skip):
             found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return found
+
+
+def user_frame() -> FrameType | None:
+    """The innermost live frame outside torch and bcg (the user's code, or Inductor's generated
+    code) of the calling thread; None if there is none."""
+    skip = _library_dirs()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return frame
 
 
 class BcgError(RuntimeError):

@@ -25,6 +25,7 @@ import torch
 from bcg.core.torch_internals import pytree
 
 from bcg.core import cudart
+from bcg.core.args import check_choice
 from bcg.core.breakpoint import (
     ACTIVE,
     NOT_INLINE,
@@ -52,6 +53,7 @@ from bcg.errors import (
     NestedCaptureError,
     StreamForkError,
     add_note,
+    user_frame,
     user_line,
 )
 
@@ -390,10 +392,9 @@ class CaptureOptions:
     split_staged: bool = False
 
     def __post_init__(self) -> None:
-        if self.capture_error_mode not in CAPTURE_ERROR_MODES:
-            raise ValueError(
-                f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, not {self.capture_error_mode!r}"
-            )
+        # (the entry points check it first, in their own name: bcg.capture.check_capture_options)
+        check_choice("bcg.core.session.CaptureOptions", "capture_error_mode", self.capture_error_mode,
+                     CAPTURE_ERROR_MODES)
 
 
 class Capture:
@@ -697,8 +698,10 @@ def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, str
 
 def _owner() -> str:
     """The graph a capture starting here fills, named for errors by the user's line that started it."""
-    where = user_line(traceback.extract_stack()[:-2])
-    return f"the bcg graph captured at {where}" if where else "a bcg graph"
+    frame = user_frame()
+    if frame is None:
+        return "a bcg graph"
+    return f"the bcg graph captured at {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:

@@ -44,21 +44,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from types import FrameType
 from typing import Any, Protocol
 
 import torch
 from bcg.core.torch_internals import TorchDispatchMode, storage_use_count, view_base, without_mode
-from bcg.errors import StaleTensorError
+from bcg.errors import StaleTensorError, user_frame
 
 log = logging.getLogger("bcg")
 
 _MAX_WATCHERS = 8  # tensor objects watched per storage
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 # in-place operations that write every element of their first argument without reading it
 _OVERWRITES = frozenset(
     getattr(torch.ops.aten, name)
@@ -73,14 +69,6 @@ class Writers(Protocol):
     name: str
 
     def alive(self) -> bool: ...
-
-
-def _user_frame() -> FrameType | None:
-    """The innermost frame outside torch and bcg (the user's code, or Inductor's generated code)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
-        frame = frame.f_back
-    return frame
 
 
 class _Storage:
@@ -98,7 +86,7 @@ class _Storage:
         self.writers = writers  # the other graphs whose replay rewrites it (it lives in their pool)
         self.what = f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
-        frame = _user_frame()
+        frame = user_frame()
         self.where = op
         if frame is not None:
             self.where = f"{op} at {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
