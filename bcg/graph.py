@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from bcg.core import cudart
-from bcg.core.breakpoint import UNSET, reset_live, set_live
+from bcg.core import cudart, native
+from bcg.core.breakpoint import UNSET, live_variable, reset_live, set_live
 from bcg.core.plan import BreakpointStep, GraphSource, Recording, SegmentStep, Step, breakpoint_tensors
 from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.core.process import release_when_safe
-from bcg.core.replay import Executor, StagedExecutor, make_executor
+from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
 from bcg.core.storages import check_suspects
 from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
 from bcg.errors import ReplayError
@@ -106,6 +106,7 @@ class Form:
             self._executors[frozenset()] = self.executor
         self.disabled: frozenset[str] = frozenset()  # node groups skipped now
         self.replays = 0
+        self.on_change: Any = None  # called when the executor changes (the graph's native replay is stale)
 
     @property
     def segments(self) -> list[SegmentStep]:
@@ -166,6 +167,8 @@ class Form:
     def _set_executor(self, executor: Executor) -> None:
         self.executor = executor
         self._executors = {self.disabled: executor}
+        if self.on_change is not None:
+            self.on_change()
 
     def use_executor(self, name: str | None) -> None:
         if self.executor is not None:
@@ -196,6 +199,8 @@ class Form:
                     step.skip(self.disabled, stream)
                 raise
         self.executor, self.disabled = executor, target
+        if self.on_change is not None:
+            self.on_change()
         return done
 
     def free(self) -> None:
@@ -225,6 +230,7 @@ class BreakableGraph:
         self._breakable_replays: dict[str, int] = {}
         self._policy: VariantPolicy | None = None  # keyed breakpoints' policy, shared by every form
         self.source: GraphSource | None = None
+        self._native: Any = None  # the replay in C (bcg._native.Replay); None: not built; False: not here
 
     # -- filled by capture / make_graph / the runner ---------------------------------------
     def install(self, recording: Recording, variants: VariantPolicy | None = None) -> None:
@@ -242,7 +248,9 @@ class BreakableGraph:
         self._policy = variants
         name = "inline" if recording.staged_breakpoints else "graph"
         self._first = Form(recording, name, None, variants, self._suspects, recording.pool)
+        self._first.on_change = self._stale
         self._forms = [self._first]
+        self._native = None
         self._switch_done = {}
         self._was_reset = False
         self._breakable_replays = {}
@@ -270,6 +278,8 @@ class BreakableGraph:
         name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
         self._switch_done = {}  # the new form's always-run groups count in the answers
         form = Form(recording, name, outputs, self._policy, self._suspects, first.recording.pool)
+        form.on_change = self._stale
+        self._native = None
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
             # nodes of skipped groups in place, right before it replays, rather than each
@@ -316,7 +326,11 @@ class BreakableGraph:
             reason = staged.misfit(live)
             if reason is None:
                 return i, None
-        raise ReplayError(
+        raise self._nothing_fits(reason)
+
+    @staticmethod
+    def _nothing_fits(reason: str | None) -> ReplayError:
+        return ReplayError(
             f"this replay's live metadata does not fit the graph's staged breakpoints ({reason}) and "
             "the graph has no breakable form: use bcg.make_graph or bcg.GraphRunner, which capture one"
         )
@@ -356,8 +370,58 @@ class BreakableGraph:
             VerificationError: an audit replay (``VariantPolicy.audit_every``)
                 found a variant that differs from its eager call.
         """
+        run = self._native
+        if run is None:
+            run = self._native = self._build_native()
+        if run:
+            return run.run(live)  # (the same steps, in C: its ``slow`` calls back for the rest)
         index, reason = self._choice(live)
         return self._run(index, live, True, reason)
+
+    def _replay_slow(self, live: Any, index: int | None, reason: str | None) -> Any:
+        """What the native replay leaves to Python: ``index`` None, the whole replay; -1, nothing
+        fits; else form ``index``, chosen in C for ``reason``."""
+        if index is None:
+            index, reason = self._choice(live)
+        elif index < 0:
+            raise self._nothing_fits(reason)
+        return self._run(index, live, True, reason)
+
+    def _stale(self) -> None:
+        self._native = None
+
+    def _build_native(self) -> Any:
+        """The C replay of the forms as they are now (``bcg._native.Replay``), or False where a
+        replay goes through Python: eager mode, the Python executor, keyed breakpoints, guards or
+        poison, or no native extension. A form C cannot replay goes to :meth:`_replay_slow`: the
+        breakable form of a staged graph (it counts its reasons, and switches node groups)."""
+        forms, first = self._forms, self._first
+        if first is None or not native.available() or any(
+                f.executor is None or f.executor.name != "native" or f.variants is not None
+                or f.recording.guards is not None or f.recording.poison is not None for f in forms):
+            return False
+        entries = []
+        for form in forms:
+            parts = native_parts(form.executor)
+            staged = form.staged_breakpoints
+            if parts is None or (form.breakable and first.staged_breakpoints is not None):
+                parts = (None, None, None, None)
+            after = None
+            if form.outputs is not None and form.outputs is not first.outputs:
+                after = functools.partial(copy_outputs_into, first.outputs, form.outputs, f"the {form.name} form")
+            head, tail, annotate_head, annotate_tail = parts
+            entries.append((staged.checks() if staged is not None else None, head, tail,
+                            staged.prepares() if staged is not None else (), form, after, annotate_head,
+                            annotate_tail))
+        device = first.recording.device
+        assert device is not None
+        return native.module().Replay(
+            entries, device, _current_device, _current_stream, self._replay_slow, self._suspects, check_suspects,
+            profiler_enabled, live_variable(), UNSET, first.outputs)
+
+    def _in_replay(self) -> bool:
+        """A replay of this graph is in progress (from a breakpoint of it, or another thread)."""
+        return bool(self._replaying or (self._native and self._native.replaying))
 
     def replay_form(self, index: int, live: Any = UNSET, *, stitch: bool = True) -> Any:
         """Replay form ``index`` (of :meth:`choose`): what ranks that agreed on one form call.
@@ -432,7 +496,7 @@ class BreakableGraph:
         Raises:
             ReplayError: called while this graph replays (from a breakpoint).
         """
-        if self._replaying:
+        if self._in_replay():
             raise ReplayError("set_enabled was called during a replay of this graph: call it between replays")
         if (label in self._disabled) != enabled:  # nothing changes (the runner asks at every call)
             done = self._switch_done.get((label, enabled))
@@ -443,6 +507,7 @@ class BreakableGraph:
         disabled = self._disabled - {label} if enabled else self._disabled | {label}
         if disabled != self._disabled:
             self._switch_done = {}
+            self._native = None
         self._disabled = disabled
         done = True
         for form in self._forms:
@@ -459,6 +524,7 @@ class BreakableGraph:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
         for form in self._forms:
             form.use_executor(name)
+        self._native = None
 
     @property
     def executor(self) -> str:
@@ -486,6 +552,7 @@ class BreakableGraph:
             if form.outputs is old:
                 form.outputs = value
         first.outputs = value
+        self._native = None
 
     @property
     def mode(self) -> str:
@@ -564,7 +631,7 @@ class BreakableGraph:
                 from one of its breakpoints, or from another thread while a
                 breakpoint runs); nothing is freed.
         """
-        if self._replaying:
+        if self._in_replay():
             raise ReplayError(
                 "reset() was called while this graph is replaying (from one of its breakpoints, or "
                 "from another thread during a replay): freeing its segments now would let the "
@@ -579,6 +646,7 @@ class BreakableGraph:
         self._suspects, self._disabled, self._switch_done = [], frozenset(), {}
         self._breakable_replays = {}
         self.source = None
+        self._native = None
         self._was_reset = True
 
         def free() -> None:

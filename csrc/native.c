@@ -441,18 +441,15 @@ PyDoc_STRVAR(Plan_replay_doc,
 "``RuntimeError``) naming the step and the CUDA error, with attributes ``step``\n"
 "and ``cuda_error``.");
 
-static PyObject *
-Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Run every step of `self` on `stream` (see Plan.replay). Returns 0, or -1 with an exception set. */
+static int
+plan_run(PlanObject *self, CUstream stream, int device)
 {
-    CUstream stream;
-    int device;
-    if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
-        return NULL;
     self->failed = -1;
     if (self->launches > 0) {
         /* Before any step runs: a missing driver refuses the whole replay. */
         if (load_driver() < 0 || ensure_context(device) < 0 || check_not_capturing(stream) < 0)
-            return NULL;
+            return -1;
     }
 
     Py_INCREF(self); /* a callable may drop the last other reference */
@@ -503,8 +500,20 @@ Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "bcg._native.Plan was cleared during its replay");
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *
+Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    CUstream stream;
+    int device;
+    if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
+        return NULL;
+    if (plan_run(self, stream, device) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -619,6 +628,449 @@ static PyTypeObject PlanType = {
     .tp_new = Plan_new,
 };
 
+/* ---- Replay: one replay of a graph, its form chosen and launched in C ------------------- */
+
+/* One form of a graph, as Replay runs it. Every field is borrowed from Replay.forms. */
+typedef struct {
+    PyObject *checks;        /* tuple of (fits, staged, reads_staged, reason), or NULL: takes any live */
+    PlanObject *head;        /* the steps before the staged copies, or NULL */
+    PlanObject *tail;        /* the (other) steps, or NULL: this form replays through `slow` */
+    PyObject *prepares;      /* tuple of callables prepare(live), run between head and tail */
+    PyObject *form;          /* its `replays` attribute counts the replays */
+    PyObject *after;         /* callable (), run after a replay, or NULL */
+    PyObject *annotate_head; /* callable (exc) adding notes to an error of head, or NULL */
+    PyObject *annotate_tail; /* the same for tail */
+} FormEntry;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *forms; /* the tuple given: owns everything a FormEntry borrows */
+    FormEntry *entries;
+    Py_ssize_t n;
+    int device;
+    PyObject *get_device;     /* () -> the current device ordinal */
+    PyObject *get_stream;     /* (device) -> the current raw stream there */
+    PyObject *slow;           /* (live, index, reason) -> the Python replay, for what C does not run */
+    PyObject *suspects;       /* a list: non-empty means check_suspects(suspects) first */
+    PyObject *check_suspects; /* (suspects) -> raises if a held tensor was replaced */
+    PyObject *profiling;      /* () -> whether a profiler runs (then Python replays, marking steps) */
+    PyObject *live_var;       /* the contextvars.ContextVar bcg.live() reads */
+    PyObject *unset;          /* the sentinel for "no live metadata": the variable is left as it is */
+    PyObject *outputs;        /* what a replay returns */
+    Py_ssize_t replaying;     /* replays in progress */
+} ReplayObject;
+
+static PyObject *str_replays; /* interned "replays" */
+
+static int
+Replay_traverse(ReplayObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->forms);
+    Py_VISIT(self->get_device);
+    Py_VISIT(self->get_stream);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->suspects);
+    Py_VISIT(self->check_suspects);
+    Py_VISIT(self->profiling);
+    Py_VISIT(self->live_var);
+    Py_VISIT(self->unset);
+    Py_VISIT(self->outputs);
+    return 0;
+}
+
+static int
+Replay_clear(ReplayObject *self)
+{
+    self->n = 0; /* the entries borrow from forms */
+    Py_CLEAR(self->forms);
+    Py_CLEAR(self->get_device);
+    Py_CLEAR(self->get_stream);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->suspects);
+    Py_CLEAR(self->check_suspects);
+    Py_CLEAR(self->profiling);
+    Py_CLEAR(self->live_var);
+    Py_CLEAR(self->unset);
+    Py_CLEAR(self->outputs);
+    return 0;
+}
+
+static void
+Replay_dealloc(ReplayObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Replay_clear(self);
+    PyMem_Free(self->entries);
+    self->entries = NULL;
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+none_to_null(PyObject *o)
+{
+    return o == Py_None ? NULL : o;
+}
+
+static int
+parse_form(PyObject *item, Py_ssize_t i, FormEntry *e)
+{
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 8) {
+        PyErr_Format(PyExc_TypeError, "Replay: form %zd must be a tuple (checks, head, tail, prepares, form, "
+                     "after, annotate_head, annotate_tail)", i);
+        return -1;
+    }
+    e->checks = none_to_null(PyTuple_GET_ITEM(item, 0));
+    PyObject *head = none_to_null(PyTuple_GET_ITEM(item, 1));
+    PyObject *tail = none_to_null(PyTuple_GET_ITEM(item, 2));
+    e->prepares = PyTuple_GET_ITEM(item, 3);
+    e->form = PyTuple_GET_ITEM(item, 4);
+    e->after = none_to_null(PyTuple_GET_ITEM(item, 5));
+    e->annotate_head = none_to_null(PyTuple_GET_ITEM(item, 6));
+    e->annotate_tail = none_to_null(PyTuple_GET_ITEM(item, 7));
+    if ((head != NULL && !PyObject_TypeCheck(head, &PlanType)) ||
+        (tail != NULL && !PyObject_TypeCheck(tail, &PlanType))) {
+        PyErr_Format(PyExc_TypeError, "Replay: form %zd: head and tail must be bcg._native.Plan or None", i);
+        return -1;
+    }
+    if (head != NULL && tail == NULL) {
+        PyErr_Format(PyExc_ValueError, "Replay: form %zd has a head but no tail", i);
+        return -1;
+    }
+    e->head = (PlanObject *)head;
+    e->tail = (PlanObject *)tail;
+    if (!PyTuple_Check(e->prepares)) {
+        PyErr_Format(PyExc_TypeError, "Replay: form %zd: prepares must be a tuple", i);
+        return -1;
+    }
+    if (e->checks != NULL) {
+        if (!PyTuple_Check(e->checks)) {
+            PyErr_Format(PyExc_TypeError, "Replay: form %zd: checks must be a tuple or None", i);
+            return -1;
+        }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(e->checks); k++) {
+            PyObject *c = PyTuple_GET_ITEM(e->checks, k);
+            if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 4 || !PyCallable_Check(PyTuple_GET_ITEM(c, 0)) ||
+                !PyBool_Check(PyTuple_GET_ITEM(c, 2))) {
+                PyErr_Format(PyExc_TypeError, "Replay: form %zd: check %zd must be a tuple (fits, staged, "
+                             "reads_staged: bool, reason)", i, k);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+Replay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"forms", "device", "get_device", "get_stream", "slow", "suspects",
+                             "check_suspects", "profiling", "live_var", "unset", "outputs", NULL};
+    PyObject *forms_arg, *get_device, *get_stream, *slow, *suspects, *check_suspects, *profiling, *live_var,
+        *unset, *outputs;
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiOOOO!OOOOO:Replay", kwlist, &forms_arg, &device, &get_device,
+                                     &get_stream, &slow, &PyList_Type, &suspects, &check_suspects, &profiling,
+                                     &live_var, &unset, &outputs))
+        return NULL;
+    if (!PyContextVar_CheckExact(live_var)) {
+        PyErr_SetString(PyExc_TypeError, "Replay: live_var must be a contextvars.ContextVar");
+        return NULL;
+    }
+    PyObject *forms = PySequence_Tuple(forms_arg);
+    if (forms == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(forms);
+    FormEntry *entries = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(FormEntry));
+    if (entries == NULL) {
+        Py_DECREF(forms);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (parse_form(PyTuple_GET_ITEM(forms, i), i, &entries[i]) < 0) {
+            PyMem_Free(entries);
+            Py_DECREF(forms);
+            return NULL;
+        }
+    }
+    ReplayObject *self = (ReplayObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        PyMem_Free(entries);
+        Py_DECREF(forms);
+        return NULL;
+    }
+    self->forms = forms;
+    self->entries = entries;
+    self->n = n;
+    self->device = device;
+    self->get_device = Py_NewRef(get_device);
+    self->get_stream = Py_NewRef(get_stream);
+    self->slow = Py_NewRef(slow);
+    self->suspects = Py_NewRef(suspects);
+    self->check_suspects = Py_NewRef(check_suspects);
+    self->profiling = Py_NewRef(profiling);
+    self->live_var = Py_NewRef(live_var);
+    self->unset = Py_NewRef(unset);
+    self->outputs = Py_NewRef(outputs);
+    self->replaying = 0;
+    return (PyObject *)self;
+}
+
+static PyObject *
+replay_slow(ReplayObject *self, PyObject *live, Py_ssize_t index, PyObject *reason)
+{
+    PyObject *py_index = index == PY_SSIZE_T_MIN ? Py_NewRef(Py_None) : PyLong_FromSsize_t(index);
+    if (py_index == NULL)
+        return NULL;
+    PyObject *argv[3] = {live, py_index, reason};
+    PyObject *res = PyObject_Vectorcall(self->slow, argv, 3, NULL);
+    Py_DECREF(py_index);
+    return res;
+}
+
+/* Call fn(exc) on the pending exception (notes), keeping that exception pending. */
+static void
+annotate_error(PyObject *fn)
+{
+    if (fn == NULL || !PyErr_Occurred())
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *res = value != NULL ? PyObject_CallOneArg(fn, value) : NULL;
+    if (res == NULL)
+        PyErr_Clear(); /* a note is a convenience: the replay's own error is what counts */
+    Py_XDECREF(res);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Whether fits says yes: 1, 0, or -1 with an exception set. */
+static int
+ask_fits(PyObject *check, PyObject *live)
+{
+    PyObject *argv[2] = {live, PyTuple_GET_ITEM(check, 1)};
+    Py_ssize_t nargs = PyTuple_GET_ITEM(check, 2) == Py_True ? 2 : 1;
+    PyObject *res = PyObject_Vectorcall(PyTuple_GET_ITEM(check, 0), argv, nargs, NULL);
+    if (res == NULL)
+        return -1;
+    int yes = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return yes;
+}
+
+static int
+count_replay(PyObject *form)
+{
+    PyObject *count = PyObject_GetAttr(form, str_replays);
+    if (count == NULL)
+        return -1;
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *next = one != NULL ? PyNumber_Add(count, one) : NULL;
+    Py_DECREF(count);
+    Py_XDECREF(one);
+    if (next == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(form, str_replays, next);
+    Py_DECREF(next);
+    return rc;
+}
+
+/* The launch of form `e`: head, prepares, tail, with live set. 0, or -1 with an exception set. */
+static int
+replay_form(ReplayObject *self, FormEntry *e, PyObject *live, CUstream stream, int device)
+{
+    PyObject *token = NULL;
+    if (live != self->unset) {
+        token = PyContextVar_Set(self->live_var, live);
+        if (token == NULL)
+            return -1;
+    }
+    self->replaying++;
+    int rc = 0;
+    if (e->head != NULL) {
+        rc = plan_run(e->head, stream, device);
+        if (rc < 0)
+            annotate_error(e->annotate_head);
+    }
+    for (Py_ssize_t k = 0; rc == 0 && k < PyTuple_GET_SIZE(e->prepares); k++) {
+        PyObject *res = PyObject_CallOneArg(PyTuple_GET_ITEM(e->prepares, k), live);
+        if (res == NULL)
+            rc = -1;
+        Py_XDECREF(res);
+    }
+    if (rc == 0) {
+        rc = plan_run(e->tail, stream, device);
+        if (rc < 0)
+            annotate_error(e->annotate_tail);
+    }
+    self->replaying--;
+    if (token != NULL) {
+        PyObject *type = NULL, *value = NULL, *tb = NULL;
+        if (rc < 0)
+            PyErr_Fetch(&type, &value, &tb);
+        if (PyContextVar_Reset(self->live_var, token) < 0) {
+            if (rc < 0)
+                PyErr_Clear(); /* the replay's error is the one to report */
+            rc = -1;
+        }
+        if (type != NULL || value != NULL)
+            PyErr_Restore(type, value, tb);
+        Py_DECREF(token);
+    }
+    return rc;
+}
+
+PyDoc_STRVAR(Replay_run_doc,
+"run(live, /)\n--\n\n"
+"One replay: the first form whose checks all pass (``fits(live)``, or\n"
+"``fits(live, staged)``; a form without checks takes any ``live``), then, on\n"
+"the current device and stream: the held-storage check, ``live`` set,\n"
+"``head``, each ``prepare(live)``, ``tail``. Returns ``outputs``. Whatever C\n"
+"does not run (a profiler, a form without plans, another device, nothing\n"
+"fits) goes to ``slow(live, index, reason)``, with the choice already made\n"
+"(``index`` None: no choice made; -1: nothing fits).");
+
+static PyObject *
+Replay_run(ReplayObject *self, PyObject *live)
+{
+    if (self->forms == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bcg._native.Replay was cleared");
+        return NULL;
+    }
+    PyObject *flag = PyObject_CallNoArgs(self->profiling);
+    if (flag == NULL)
+        return NULL;
+    int profiling = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (profiling < 0)
+        return NULL;
+    if (profiling)
+        return replay_slow(self, live, PY_SSIZE_T_MIN, Py_None);
+
+    Py_INCREF(self); /* user code (fits, prepare, breakpoints) may drop the last other reference */
+    PyObject *result = NULL;
+    PyObject *reason = Py_None; /* borrowed from forms: why the last staged form tried did not fit */
+    Py_ssize_t chosen = -1;
+    for (Py_ssize_t i = 0; i < self->n && chosen < 0; i++) {
+        PyObject *checks = self->entries[i].checks;
+        if (checks == NULL) {
+            chosen = i;
+            break;
+        }
+        int all = 1;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(checks); k++) {
+            PyObject *check = PyTuple_GET_ITEM(checks, k);
+            int yes = ask_fits(check, live);
+            if (yes < 0)
+                goto done;
+            if (!yes) {
+                reason = PyTuple_GET_ITEM(check, 3);
+                all = 0;
+                break;
+            }
+        }
+        if (all)
+            chosen = i;
+    }
+    if (self->n == 0) { /* cleared during a fits */
+        PyErr_SetString(PyExc_RuntimeError, "bcg._native.Replay was cleared during its replay");
+        goto done;
+    }
+    if (chosen < 0 || self->entries[chosen].tail == NULL) {
+        result = replay_slow(self, live, chosen, reason);
+        goto done;
+    }
+    FormEntry *e = &self->entries[chosen];
+    PyObject *dev_obj = PyObject_CallNoArgs(self->get_device);
+    if (dev_obj == NULL)
+        goto done;
+    long dev = PyLong_AsLong(dev_obj);
+    Py_DECREF(dev_obj);
+    if (dev == -1 && PyErr_Occurred())
+        goto done;
+    if (dev != self->device) { /* Python says which device to replay on */
+        result = replay_slow(self, live, chosen, reason);
+        goto done;
+    }
+    if (PyList_GET_SIZE(self->suspects) > 0) {
+        PyObject *ok = PyObject_CallOneArg(self->check_suspects, self->suspects);
+        if (ok == NULL)
+            goto done;
+        Py_DECREF(ok);
+    }
+    PyObject *dev_arg = PyLong_FromLong(dev);
+    PyObject *stream_obj = dev_arg != NULL ? PyObject_CallOneArg(self->get_stream, dev_arg) : NULL;
+    Py_XDECREF(dev_arg);
+    if (stream_obj == NULL)
+        goto done;
+    CUstream stream;
+    int bad = parse_stream(stream_obj, &stream);
+    Py_DECREF(stream_obj);
+    if (bad < 0 || replay_form(self, e, live, stream, (int)dev) < 0)
+        goto done;
+    if (count_replay(e->form) < 0)
+        goto done;
+    if (e->after != NULL) {
+        PyObject *res = PyObject_CallNoArgs(e->after);
+        if (res == NULL)
+            goto done;
+        Py_DECREF(res);
+    }
+    result = Py_NewRef(self->outputs != NULL ? self->outputs : Py_None);
+done:
+    Py_DECREF(self);
+    return result;
+}
+
+static PyObject *
+Replay_get_replaying(ReplayObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->replaying);
+}
+
+static PyObject *
+Replay_repr(ReplayObject *self)
+{
+    return PyUnicode_FromFormat("<bcg._native.Replay: %zd forms on cuda:%d>", self->n, self->device);
+}
+
+static PyMethodDef Replay_methods[] = {
+    {"run", (PyCFunction)Replay_run, METH_O, Replay_run_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Replay_getset[] = {
+    {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress (inside a breakpoint: 1 or more).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(Replay_doc,
+"Replay(forms, device, get_device, get_stream, slow, suspects, check_suspects, profiling, live_var, unset, "
+"outputs)\n--\n\n"
+"One graph's replay in C (see ``run``). ``forms``: tuples ``(checks, head, tail,\n"
+"prepares, form, after, annotate_head, annotate_tail)`` in the order a replay\n"
+"tries them; ``checks`` tuples ``(fits, staged, reads_staged, reason)`` or None\n"
+"(takes any live metadata); ``head``/``tail`` ``Plan`` s (``tail`` None: the\n"
+"form replays through ``slow``). Built by ``bcg.graph``; rebuilt whenever a\n"
+"form's executor, the outputs or the forms change.");
+
+static PyTypeObject ReplayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "bcg._native.Replay",
+    .tp_basicsize = sizeof(ReplayObject),
+    .tp_dealloc = (destructor)Replay_dealloc,
+    .tp_repr = (reprfunc)Replay_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = Replay_doc,
+    .tp_traverse = (traverseproc)Replay_traverse,
+    .tp_clear = (inquiry)Replay_clear,
+    .tp_methods = Replay_methods,
+    .tp_getset = Replay_getset,
+    .tp_new = Replay_new,
+};
+
 /* ---- module ----------------------------------------------------------------------- */
 
 PyDoc_STRVAR(load_driver_doc,
@@ -668,7 +1120,10 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&PlanType) < 0)
+    if (PyType_Ready(&PlanType) < 0 || PyType_Ready(&ReplayType) < 0)
+        return NULL;
+    str_replays = PyUnicode_InternFromString("replays");
+    if (str_replays == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
@@ -676,6 +1131,12 @@ PyInit__native(void)
     Py_INCREF(&PlanType);
     if (PyModule_AddObject(m, "Plan", (PyObject *)&PlanType) < 0) {
         Py_DECREF(&PlanType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ReplayType);
+    if (PyModule_AddObject(m, "Replay", (PyObject *)&ReplayType) < 0) {
+        Py_DECREF(&ReplayType);
         Py_DECREF(m);
         return NULL;
     }

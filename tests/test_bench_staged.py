@@ -7,9 +7,11 @@ staged case's wiring, and the measures a row gets around the timed replays.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -132,7 +134,7 @@ def test_staged_breakpoints_share_one_prepare() -> None:
     specs = [bp.__bcg_breakpoint__ for bp in (flash, varlen)]
     assert [s.name for s in specs] == ["attention_flash_staged", "attention_varlen_staged"]
     assert specs[0].prepare is specs[1].prepare and specs[0].fits is specs[1].fits
-    assert specs[0].prepare.__self__ is staged and specs[0].mutates == ("out",)
+    assert specs[0].prepare.__wrapped__.__self__ is staged and specs[0].mutates == ("out",)  # (timed: UserTime)
     # the same function as the plain breakpoints
     assert flash.__wrapped__ is llama.attention_flash.__wrapped__ is llama.flash_attention
     assert varlen.__wrapped__ is llama.attention_varlen.__wrapped__ is llama.varlen_attention
@@ -229,8 +231,9 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-10:] == ["host", "us", "host", "+fl", "inline", "hit", "stitch", "capts", "cache", "MiB"]
-    assert line.split()[-7:] == ["1.5", "-", "0.50", "-", "-", "-", "-"]
+    assert head.split()[-12:] == ["host", "us", "host", "+fl", "bcg", "us", "inline", "hit", "stitch", "capts",
+                                  "cache", "MiB"]
+    assert line.split()[-8:] == ["1.5", "-", "-", "0.50", "-", "-", "-", "-"]
 
 
 def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_with_the_floors(
@@ -287,6 +290,61 @@ def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_wit
     assert host_calls.count("floor") == host_calls.count("test-runner") == cli.HOST_CALLS
     assert all(len(set(host_calls[i:i + 5])) == 1 for i in range(0, len(host_calls), 5))  # blocks of 5 ...
     assert set(host_calls[:10]) == {"floor", "test-runner"}  # ... in rounds of both modes
+
+
+def test_host_us_bcg_is_the_median_of_the_host_timed_calls_own_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner mode's row gets host_us_bcg from what its calls recorded as bcg's own time during the host-timed
+    calls alone (not the timed replays before them); modes that keep none get no such field."""
+    def make(own: list[float] | None, phase: list[str]) -> Any:
+        def build(case: object, ctx: object) -> registry.Built:
+            eager = modes.build_eager(case, ctx)  # type: ignore[arg-type]
+
+            def run() -> torch.Tensor:
+                if own is not None:
+                    own.append(99e-6 if phase[0] == "timed" else 7e-6)
+                return eager.run()
+
+            return registry.Built(run=run, host=True, own_host_s=own)
+
+        return registry.ModeSpec("x", build, False, "", lambda: None)
+
+    phase = ["timed"]
+    real = timing.sample_interleaved
+
+    def sample(fns: Any, sync: Any, iters: int, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+        phase[0] = "timed" if wait else "host"
+        return real(fns, sync, iters, *args, wait=wait, **kwargs)
+
+    monkeypatch.setattr(cli, "sample_interleaved", sample)
+    monkeypatch.setitem(cli.MODES, "floor", make(None, phase))
+    monkeypatch.setitem(cli.MODES, "test-runner", make([], phase))
+    args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
+    case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
+    ref = cli._reference(case, lambda: None)
+
+    def fail(mode: str, exc: Exception) -> None:
+        raise exc
+
+    rows = {r["mode"]: r for r in cli._measure_case(case, ["floor", "test-runner"], lambda c: ref,
+                                                      registry.BuildContext(), 5, 0, lambda: None, failed=fail,
+                                                      skipped=fail, progress=lambda step: None)}
+    assert rows["test-runner"]["host_us_bcg"] == pytest.approx(7.0)
+    assert "host_us_bcg" not in rows["floor"]
+
+
+def test_user_time_counts_the_wrapped_callbacks_and_keeps_their_signature() -> None:
+    clock = timing.UserTime()
+
+    def fits(live: Any, staged: Any) -> bool:
+        time.sleep(0.002)
+        return True
+
+    wrapped = clock.wrap(fits)
+    assert inspect.signature(wrapped) == inspect.signature(fits)  # bcg reads fits' arity from it
+    assert wrapped(1, 2) is True and clock.seconds >= 0.002
+    with pytest.raises(ZeroDivisionError):
+        clock.wrap(lambda: 1 / 0)()
+    assert clock.seconds >= 0.002  # (a callback that raises counts too)
 
 
 def test_a_floor_that_fails_while_its_host_time_is_sampled_is_reported_and_no_mode_is_paired_with_it(

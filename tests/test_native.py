@@ -14,6 +14,7 @@ from bcg.core import native
 from bcg.core.breakpoint import BreakpointSpec
 from bcg.core.plan import BreakpointStep
 from bcg.core.replay import NativeExecutor, PythonExecutor, StagedExecutor, make_executor
+from bcg.errors import StaleTensorError
 
 
 def _libcuda_loadable() -> bool:
@@ -582,3 +583,176 @@ def test_launch_loop_against_a_fake_driver(_native, tmp_path) -> None:  # noqa: 
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FAKE DRIVER CHECKS OK" in result.stdout
+
+
+# -- Replay: a graph's replay in C -----------------------------------------------------------
+
+
+class _Form:
+    def __init__(self) -> None:
+        self.replays = 0
+
+
+def _replay_kit(_native, forms, *, device: int = 0, profiling: bool = False, suspects=None, log=None):  # noqa: ANN001,ANN202
+    """A Replay over plans of callables only (no driver), with every callback logged."""
+    log = [] if log is None else log
+
+    def slow(live, index, reason):  # noqa: ANN001,ANN202
+        log.append(("slow", live, index, reason))
+        return "slow result"
+
+    def check(held):  # noqa: ANN001,ANN202
+        log.append(("check", list(held)))
+        if "stale" in held:
+            raise StaleTensorError("a held tensor was replaced")
+
+    from bcg.core.breakpoint import UNSET, live_variable
+
+    replay = _native.Replay(forms, device, lambda: 0, lambda d: 0, slow, suspects if suspects is not None else [],
+                            check, lambda: profiling, live_variable(), UNSET, "outputs")
+    return replay, log
+
+
+def _fits(log, name: str, answer: bool):  # noqa: ANN001,ANN202
+    def fits(live, staged=None):  # noqa: ANN001,ANN202
+        log.append((name, live, staged))
+        return answer
+    return fits
+
+
+def test_replay_runs_the_first_form_that_fits_head_prepare_tail_with_live_set(_native) -> None:  # noqa: ANN001
+    log: list = []
+    seen = lambda name: (lambda: log.append((name, bcg.live())))  # noqa: E731
+    tier, inline, breakable = _Form(), _Form(), _Form()
+    forms = [
+        ((( _fits(log, "tier fits", False), "tier bounds", True, "tier does not fit"),), _native.Plan([seen("tier")]),
+         _native.Plan([seen("tier tail")]), (), tier, None, None, None),
+        (((_fits(log, "fits", True), "bounds", True, "x"), (_fits(log, "fits1", True), None, False, "y")),
+         _native.Plan([seen("head")]), _native.Plan([seen("tail")]), (lambda live: log.append(("prepare", live)),),
+         inline, lambda: log.append("after"), None, None),
+        (None, None, _native.Plan([seen("breakable")]), (), breakable, None, None, None),
+    ]
+    replay, _ = _replay_kit(_native, forms, log=log)
+    live = object()
+    assert replay.run(live) == "outputs"
+    assert log == [("tier fits", live, "tier bounds"), ("fits", live, "bounds"), ("fits1", live, None),
+                   ("head", live), ("prepare", live), ("tail", live), "after"]
+    assert (tier.replays, inline.replays, breakable.replays) == (0, 1, 0)
+    assert bcg.live(default=None) is None and replay.replaying == 0  # live reset after the replay
+
+
+def test_replay_leaves_to_python_what_it_does_not_run(_native) -> None:  # noqa: ANN001
+    log: list = []
+    staged = ((( _fits(log, "fits", False), None, False, "attn does not fit"),), None, _native.Plan([]), (), _Form(),
+              None, None, None)
+    # nothing fits, and no form takes any live metadata: -1 with the reason
+    replay, _ = _replay_kit(_native, [staged], log=log)
+    assert replay.run(1) == "slow result" and log[-1] == ("slow", 1, -1, "attn does not fit")
+    # the form chosen has no plan (the breakable form of a staged graph): its index, with the reason
+    plain = (None, None, None, (), _Form(), None, None, None)
+    replay, _ = _replay_kit(_native, [staged, plain], log=log)
+    assert replay.run(2) == "slow result" and log[-1] == ("slow", 2, 1, "attn does not fit")
+    # another current device: Python raises, naming the device
+    ran: list = []
+    only = (None, None, _native.Plan([lambda: ran.append(1)]), (), _Form(), None, None, None)
+    replay, _ = _replay_kit(_native, [only], device=3, log=log)
+    assert replay.run(3) == "slow result" and log[-1] == ("slow", 3, 0, None) and not ran
+    # a profiler runs: all of it in Python, nothing asked first
+    n = len(log)
+    replay, _ = _replay_kit(_native, [staged, plain], profiling=True, log=log)
+    assert replay.run(4) == "slow result" and log[n:] == [("slow", 4, None, None)]
+
+
+def test_replay_checks_held_storages_before_anything_runs(_native) -> None:  # noqa: ANN001
+    ran: list = []
+    form = (None, None, _native.Plan([lambda: ran.append("tail")]), (lambda live: ran.append("prepare"),), _Form(),
+            None, None, None)
+    suspects: list = []
+    replay, log = _replay_kit(_native, [form], suspects=suspects)
+    replay.run(None)
+    assert ran == ["prepare", "tail"] and log == []  # no suspect: not called
+    suspects.append("stale")  # (the list the graph holds: read at every replay)
+    with pytest.raises(StaleTensorError):
+        replay.run(None)
+    assert ran == ["prepare", "tail"] and log == [("check", ["stale"])]
+
+
+def test_replay_errors_propagate_with_live_reset_and_notes_from_the_failing_plan(_native) -> None:  # noqa: ANN001
+    notes: list = []
+
+    def boom() -> None:
+        assert bcg.live() == "meta"
+        raise ValueError("breakpoint failed")
+
+    form = _Form()
+    entry = (None, _native.Plan([lambda: None]), _native.Plan([boom]), (), form, None,
+             lambda exc: notes.append(("head", exc)), lambda exc: notes.append(("tail", repr(exc))))
+    replay, _ = _replay_kit(_native, [entry])
+    with pytest.raises(ValueError, match="breakpoint failed"):
+        replay.run("meta")
+    assert notes == [("tail", "ValueError('breakpoint failed')")]
+    assert bcg.live(default=None) is None and replay.replaying == 0 and form.replays == 0
+
+    def bad_prepare(live):  # noqa: ANN001,ANN202
+        raise KeyError("prepare")
+
+    tail_ran: list = []
+    entry = (None, None, _native.Plan([lambda: tail_ran.append(1)]), (bad_prepare,), _Form(), None, None, None)
+    replay, _ = _replay_kit(_native, [entry])
+    with pytest.raises(KeyError):
+        replay.run("meta")
+    assert not tail_ran and bcg.live(default=None) is None
+
+    def bad_fits(live):  # noqa: ANN001,ANN202
+        raise RuntimeError("fits")
+
+    entry = (((bad_fits, None, False, "r"),), None, _native.Plan([lambda: tail_ran.append(1)]), (), _Form(), None,
+             None, None)
+    replay, _ = _replay_kit(_native, [entry])
+    with pytest.raises(RuntimeError, match="fits"):
+        replay.run(0)
+    assert not tail_ran
+
+
+def test_replay_counts_itself_while_a_breakpoint_runs(_native) -> None:  # noqa: ANN001
+    seen: list = []
+    holder: list = []
+    entry = (None, None, _native.Plan([lambda: seen.append(holder[0].replaying)]), (), _Form(), None, None, None)
+    replay, _ = _replay_kit(_native, [entry])
+    holder.append(replay)
+    replay.run(None)
+    assert seen == [1] and replay.replaying == 0
+
+
+@pytest.mark.parametrize("forms, error", [
+    ([("not", "a", "form")], "form 0 must be a tuple"),
+    ([(None, "head", None, (), None, None, None, None)], "head and tail must be bcg._native.Plan"),
+    ([(None, None, None, [], None, None, None, None)], "prepares must be a tuple"),
+    ([((("fits", None, False, "r"),), None, None, (), None, None, None, None)], "check 0 must be a tuple"),
+    ([(((len, None, 1, "r"),), None, None, (), None, None, None, None)], "check 0 must be a tuple"),
+])
+def test_replay_rejects_malformed_forms(_native, forms, error) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError, match=error):
+        _replay_kit(_native, forms)
+
+
+def test_replay_does_not_leak_and_its_cycles_are_collected(_native) -> None:  # noqa: ANN001
+    form = _Form()
+    entry = (None, None, _native.Plan([lambda: None]), (lambda live: None,), form, None, None, None)
+    replay, _ = _replay_kit(_native, [entry])
+    live = object()
+    before = sys.getrefcount(live)
+    for _ in range(100):
+        replay.run(live)
+    assert sys.getrefcount(live) == before and form.replays == 100
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    gone = weakref.ref(owner)
+    owner.replay = _replay_kit(_native, [(None, None, _native.Plan([lambda: owner]), (), _Form(), None, None,
+                                          None)])[0]
+    del owner
+    gc.collect()
+    assert gone() is None

@@ -594,3 +594,44 @@ def test_ranks_vote_that_a_bucket_stands_before_its_staged_tiers(monkeypatch: py
     stats = runner.stats()
     assert stats["fallbacks"]["capture_failed"] == 1 and stats["tier_replays"] == 1 and stats["inline_replays"] == 2
     runner.reset()
+
+
+def test_inline_replays_run_in_c_and_equal_the_python_executors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native graph's inline and tier replays are chosen and launched in C (no Python form run), the
+    breakable form's through Python; with the Python executor every replay runs in Python. Both give
+    the same outputs, fits and prepare calls, and counts."""
+    from bcg.graph import Form
+
+    ran = {"python": 0}
+    real = Form.run
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001,ANN202
+        ran["python"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Form, "run", counted)
+    staging = TieredStaging()
+    block = Block(_make_attention(staging), layers=2)
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        rng = random.Random(n)
+        return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
+
+    runner = _runner(block, [64], live=tiers)
+    graph = runner.graph(64)
+    rng = random.Random(11)
+    calls = [(torch.randn(64, HIDDEN, device="cuda", dtype=DTYPE), Meta(_lengths(rng, 64, r))) for r in (1, 2, 3, 5, 4)]
+    results = {}
+    for executor in ("native", "python"):
+        graph.use_executor(executor)
+        ran["python"], fits0, prepares0 = 0, staging.fits_calls, staging.calls
+        forms0 = [f.replays for f in graph.forms]
+        results[executor] = [runner(x, live=meta).clone() for x, meta in calls]
+        results[executor + " asked"] = (staging.fits_calls - fits0, staging.calls - prepares0,
+                                        [f.replays - b for f, b in zip(graph.forms, forms0)])
+        assert ran["python"] == (1 if executor == "native" else len(calls)), executor  # native: the 5 requests' only
+    for a, b, (x, meta) in zip(results["native"], results["python"], calls):
+        assert torch.equal(a, b) and torch.equal(a, _eager(block, x, meta))
+    assert results["native asked"] == results["python asked"]
+    assert results["native asked"][2] == [1, 1, 2, 1]  # tier 0, tier 1, inline (3 and 4 requests), breakable
+    runner.reset()

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from bcg.bench.timing import UserTime
+
 
 @dataclass(eq=False)
 class Case:
@@ -74,6 +76,9 @@ class Case:
     make_partition_forward: Callable[[], Callable[..., torch.Tensor]] | None = None
     # tensor parallel: the same forward without its all-reduces (mode floor-no-allreduce)
     make_forward_no_reduce: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]] | None = None
+    # the clock of the staged breakpoint's ``fits`` and ``prepare`` (runner rows get host_us_bcg:
+    # the call's host time less theirs); None: no user callback is timed
+    user_time: UserTime | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)

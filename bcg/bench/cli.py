@@ -57,7 +57,9 @@ TIMING_NOTE = (
     "samples, taken in rounds: each round runs every mode of the point as a block of --warmup untimed and "
     "up to 5 timed replays, in a random order per round, so that all modes share the machine's drift; first_replay_ms is the first replay after capture; "
     "host_us_per_replay: median of 30 more calls per mode (floors and bcg), interleaved the same way, each from a "
-    "synchronize until the call returns; host_us_over_floor: the median over rounds of the difference to the floor's"
+    "synchronize until the call returns; host_us_over_floor: the median over rounds of the difference to the floor's; "
+    "host_us_bcg (staged runner modes): the median over the same calls of the runner call's host time less the "
+    "time in the staged breakpoint's fits and prepare (the live metadata is built before the call)"
 )
 
 
@@ -302,6 +304,7 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
             host_failed.add(mode)
             failed(mode, exc)
 
+        own_from = {m: len(b.own_host_s) for m, b in built.items() if b.own_host_s is not None}
         host = sample_interleaved({m: built[m].run for m in measured if built[m].host}, sync, HOST_CALLS,
                                   on_error=host_error, wait=False)
         floor = next((m for m in ("floor", "floor-compile") if m in host and m not in host_failed), None)
@@ -313,6 +316,9 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
                 over = paired_difference(host[mode], host[floor]) if floor is not None else None
                 if over is not None:
                     fields["host_us_over_floor"] = over * 1e3
+                own = built[mode].own_host_s
+                if own is not None and mode in own_from and own[own_from[mode]:]:
+                    fields["host_us_bcg"] = statistics.median(own[own_from[mode]:]) * 1e6
             b = built[mode]
             try:
                 err = _check(case, b, reference(MODES[mode].compiled), sync)

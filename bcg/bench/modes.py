@@ -205,8 +205,21 @@ def _bcg_runner(
     stats = graph.stats()
     fresh_live = live_stream if live_stream is not None else case.fresh_live
 
-    def run() -> torch.Tensor:
-        return runner(*args, live=fresh_live())
+    clock = case.user_time
+    own: list[float] | None = None
+    if clock is None:
+        def run() -> torch.Tensor:
+            return runner(*args, live=fresh_live())
+    else:
+        own = []
+        now = time.perf_counter
+
+        def run() -> torch.Tensor:  # (the live metadata is built before the call: the caller's work)
+            live = fresh_live()
+            user0, t0 = clock.seconds, now()
+            out = runner(*args, live=live)
+            own.append(now() - t0 - (clock.seconds - user0))
+            return out
 
     def check() -> torch.Tensor:  # on the case's current inputs (fresh ones, when checked)
         load_inputs()
@@ -224,6 +237,7 @@ def _bcg_runner(
         measure=_runner_measures(runner.stats, staged=staged, keyed=keyed) if staged or keyed else None,
         host=True,
         check=check,
+        own_host_s=own,
     )
 
 

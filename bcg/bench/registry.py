@@ -55,6 +55,9 @@ class Built:
     # metadata (None: ``run``; modes whose ``run`` draws other metadata each call, or reads
     # inputs from buffers of its own, need it)
     check: Callable[[], torch.Tensor] | None = None
+    # seconds of bcg's own host time per ``run`` (the runner call less the user's fits and
+    # prepare), appended by each call; rows get host_us_bcg from the host-timed calls' (None: not kept)
+    own_host_s: list[float] | None = None
 
 
 @dataclass(frozen=True)

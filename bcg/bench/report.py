@@ -64,7 +64,7 @@ _LLAMA_COLS = (
     ("pool/fl", "pool_ratio_to_floor", ".2f", 7), ("rel_err", "rel_err", ".2g", 8), ("/fl-comp", "ratio_to_floor_compile", ".3f", 8),
     ("/fl pair", "ratio_to_floor_paired", ".3f", 8), ("/fc pair", "ratio_to_floor_compile_paired", ".3f", 8),
     ("compile s", "compile_s", ".2f", 9), ("host us", "host_us_per_replay", ".1f", 8),
-    ("host +fl", "host_us_over_floor", "+.1f", 8),
+    ("host +fl", "host_us_over_floor", "+.1f", 8), ("bcg us", "host_us_bcg", ".1f", 7),
     ("inline", "inline_fraction", ".2f", 6), ("hit", "hit_rate", ".2f", 5), ("stitch", "stitched_share", ".2f", 6),
     ("capts", "variant_captures", "d", 5), ("cache MiB", "cache_mib", ".1f", 9),
 )

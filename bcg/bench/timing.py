@@ -10,6 +10,7 @@ host side, which is exactly what breakable graphs are about, so we do not use th
 
 from __future__ import annotations
 
+import functools
 import operator
 import random
 import statistics
@@ -18,6 +19,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+class UserTime:
+    """Seconds spent in the user's callbacks that :meth:`wrap` wrapped (a staged breakpoint's
+    ``fits`` and ``prepare``): a call's host time less what it adds is bcg's own (``host_us_bcg``).
+
+    One per set of callbacks (not per process): each workload object that makes them owns one.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, timed into :attr:`seconds` (its signature kept: bcg reads ``fits``' arity)."""
+        clock = time.perf_counter
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0
+
+        return timed
 
 
 def sync_fn(device: torch.device) -> Callable[[], None]:

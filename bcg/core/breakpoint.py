@@ -117,6 +117,11 @@ def live_scope(value: Any) -> Iterator[Any]:
             _LIVE.reset(token)
 
 
+def live_variable() -> contextvars.ContextVar[Any]:
+    """The context variable :func:`live` reads (the native replay sets it from C)."""
+    return _LIVE
+
+
 def set_live(value: Any) -> contextvars.Token[Any] | None:
     """Set the live metadata (``UNSET``: leave it); the token goes to :func:`reset_live`.
 

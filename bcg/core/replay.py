@@ -114,6 +114,11 @@ class NativeExecutor:
         device = self._get_device()
         return self._get_stream(device), device
 
+    @property
+    def plan(self) -> Any:
+        """The ``bcg._native.Plan`` this executor replays."""
+        return self._native
+
     def run(self, where: tuple[int, int] | None = None) -> None:
         """One replay on ``where`` (``(stream, device)`` from :meth:`current`; None: read now)."""
         try:
@@ -125,17 +130,21 @@ class NativeExecutor:
                     assert where is not None
                 self._replay(*where)
         except BaseException as exc:
-            i = self._native.failed_step
-            step = self._plan[i] if 0 <= i < len(self._plan) else None
-            if isinstance(step, BreakpointStep):
-                add_note(exc, _breakpoint_note(step))
-            elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:
-                add_note(
-                    exc,
-                    f"bcg: segment {step.index} (plan step {i}) failed to launch during a native "
-                    "replay; the steps before it ran and the ones after it did not",
-                )
+            self.annotate(exc)
             raise
+
+    def annotate(self, exc: BaseException) -> None:
+        """Add a note to ``exc``, raised by the last replay, naming the step that failed."""
+        i = self._native.failed_step
+        step = self._plan[i] if 0 <= i < len(self._plan) else None
+        if isinstance(step, BreakpointStep):
+            add_note(exc, _breakpoint_note(step))
+        elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:
+            add_note(
+                exc,
+                f"bcg: segment {step.index} (plan step {i}) failed to launch during a native "
+                "replay; the steps before it ran and the ones after it did not",
+            )
 
 
 class StagedExecutor:
@@ -149,12 +158,12 @@ class StagedExecutor:
         self._prepare = prepare
         self.name = self._tail.name
         head, tail = self._head, self._tail
-        self._native = (head, tail) if isinstance(head, NativeExecutor) and isinstance(tail, NativeExecutor) else None
+        self.native = (head, tail) if isinstance(head, NativeExecutor) and isinstance(tail, NativeExecutor) else None
 
     def run(self, live: Any) -> None:
         """One replay; ``prepare(live)`` runs between the two parts (native ones launch on the
         device and stream read once, before the first)."""
-        native = self._native
+        native = self.native
         if native is not None:
             head, tail = native
             where = head.current() or tail.current()
@@ -168,6 +177,20 @@ class StagedExecutor:
 
 
 Executor = Union[PythonExecutor, NativeExecutor, StagedExecutor]
+
+# A form's plans as the native replay takes them: (head, tail, annotate_head, annotate_tail)
+NativeParts = tuple[Any, Any, Callable[[BaseException], None] | None, Callable[[BaseException], None]]
+
+
+def native_parts(executor: Executor | None) -> NativeParts | None:
+    """``executor``'s ``bcg._native.Plan`` s for a replay in C (``head`` None: the staged
+    ``prepare`` s run first), or None when it replays in Python (the Python executor)."""
+    if isinstance(executor, NativeExecutor):
+        return None, executor.plan, None, executor.annotate
+    if isinstance(executor, StagedExecutor) and executor.native is not None:
+        head, tail = executor.native
+        return head.plan, tail.plan, head.annotate, tail.annotate
+    return None
 
 
 def _plan_launches(plan: Sequence[Step]) -> bool:

@@ -268,6 +268,15 @@ class StagedBreakpoints:
                 return reason
         return None
 
+    def checks(self) -> tuple[tuple[Any, Any, bool, str], ...]:
+        """What :meth:`misfit` asks, in order, for the native replay: ``(fits, staged,
+        reads_staged, reason)``, ``fits(live, staged)`` when ``reads_staged``, else ``fits(live)``."""
+        return tuple((spec.fits, staged, spec.fits_reads_staged, reason) for spec, staged, reason in self._fits)
+
+    def prepares(self) -> tuple[Any, ...]:
+        """What :meth:`prepare` runs, in order (each ``prepare(live)``)."""
+        return tuple(self._prepares)
+
     def prepare(self, live: Any) -> None:
         """Run every ``prepare`` once: host writes, which the graph's captured copies read."""
         for prepare in self._prepares:

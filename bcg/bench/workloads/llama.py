@@ -61,7 +61,7 @@ import torch.nn.functional as F
 import bcg
 from bcg.core.torch_internals import fresh_inductor_cache, has_triton, maybe_mark_dynamic
 from bcg.bench.case import Case
-from bcg.bench.timing import compiling_call
+from bcg.bench.timing import UserTime, compiling_call
 from bcg.bench import lifecycle
 from bcg.bench.workloads import paged
 from bcg.bench.argtypes import nonnegative_int, positive_int
@@ -755,7 +755,8 @@ class StagedAttention:
         self.slots = slots
         self.cu = bcg.StagingBuffer((slots + 1,), dtype=torch.int32, device=device)
         self._prefixes: dict[int, torch.Tensor] = {}  # k -> cu.device[:k + 1], made once (not per replay)
-        prepare, fits = self.prepare, self.fits  # one object each, shared by the breakpoints
+        self.user_time = UserTime()  # (host_us_bcg: the call's host time less these two)
+        prepare, fits = self.user_time.wrap(self.prepare), self.user_time.wrap(self.fits)  # one object each,
         self.breakpoints: dict[str, Any] = {
             attn: bcg.breakpoint(fn, name=f"attention_{attn}_staged", mutates=("out",), prepare=prepare, fits=fits)
             for attn, fn in (("flash", flash_attention), ("varlen", varlen_attention))
@@ -951,6 +952,7 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
             live=Batch(lengths),
             new_live=lambda: Batch(lengths),
             live_for=lambda n: staged.capture_lives(n, lengths_for, tiers_of(args)),
+            user_time=staged.user_time,
         )
     return case
 
@@ -1014,7 +1016,8 @@ def _paged_case(model: LlamaModel, args: argparse.Namespace, device: torch.devic
     )
     case.staged = dataclasses.replace(case, bp=staged.breakpoint, live=paged.PagedLive(batch),
                                       new_live=lambda: paged.PagedLive(batch),
-                                      live_for=functools.partial(capture_live, tiered=True))
+                                      live_for=functools.partial(capture_live, tiered=True),
+                                      user_time=staged.user_time)
     return case
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 import bcg
+from bcg.bench.timing import UserTime
 from bcg.core.torch_internals import has_triton
 
 _FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
@@ -412,7 +413,9 @@ class StagedPagedAttention:
         self._bytes = np.empty(self.buffer.device.shape, dtype=np.uint8)
         self._padded = self._views(self._bytes, np.int64, np.int32)
         self._staged: dict[tuple[int, int, int], StagedPaged] = {}  # by the bounds of a form
-        prepare, fits = self.prepare, self.fits  # one object each, shared by every layer's breakpoint
+        self.user_time = UserTime()  # (host_us_bcg: the call's host time less these two)
+        # one object each, shared by every layer's breakpoint
+        prepare, fits = self.user_time.wrap(self.prepare), self.user_time.wrap(self.fits)
         self.breakpoint = bcg.breakpoint(_paged, name="attention_paged_staged",
                                          mutates=("out", "k_cache", "v_cache"), prepare=prepare, fits=fits)
 
