@@ -231,9 +231,9 @@ def test_measure_runs_around_the_timed_replays() -> None:
     table = report.format_table([row])
     title, head, _, line = table.splitlines()
     assert title == "== llama =="
-    assert head.split()[-12:] == ["host", "us", "host", "+fl", "bcg", "us", "inline", "hit", "stitch", "capts",
-                                  "cache", "MiB"]
-    assert line.split()[-8:] == ["1.5", "-", "-", "0.50", "-", "-", "-", "-"]
+    assert head.split()[-15:] == ["host", "us", "host", "+fl", "bcg", "us", "inline", "hit", "stitch", "capts",
+                                  "cache", "MiB", "tok/s", "idle", "us"]
+    assert line.split()[-10:] == ["1.5", "-", "-", "0.50", "-", "-", "-", "-", "-", "-"]
 
 
 def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_with_the_floors(

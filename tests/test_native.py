@@ -751,8 +751,8 @@ def test_replay_does_not_leak_and_its_cycles_are_collected(_native) -> None:  # 
 
     owner = Owner()
     gone = weakref.ref(owner)
-    owner.replay = _replay_kit(_native, [(None, None, _native.Plan([lambda: owner]), (), _Form(), None, None,
-                                          None)])[0]
+    owner.replay = _replay_kit(_native, [(None, None, _native.Plan([lambda held=owner: held]), (), _Form(), None,
+                                          None, None)])[0]  # a cycle: owner -> replay -> plan -> owner
     del owner
     gc.collect()
     assert gone() is None

@@ -14,19 +14,28 @@ around a *breakpoint callable* so that every mode runs the same kernels:
 * ``specialized`` - optionally, the same point with a *keyed* breakpoint
   (``@bcg.breakpoint(key=...)``), and ``live_stream`` the live metadata whose
   length tuples repeat in a chosen way (modes ``bcg-specialized*``, ``bcg-never``).
+* ``loop`` - optionally, a :class:`DecodeLoop`: the forward is one decode step,
+  and a mode's ``run`` is ``loop.steps`` steps back to back, each step's inputs
+  written on the device from the previous step's output.
 
 Modes call ``case.forward(bp)`` to get a function of ``*case.static_args``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+import bcg
 from bcg.bench.timing import UserTime
+
+#: one decode step of a mode: ``step(live)`` runs the forward once with this step's live
+#: metadata, on the inputs the mode's loop writes, and returns its output
+Step = Callable[[Any], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -79,6 +88,8 @@ class Case:
     # the clock of the staged breakpoint's ``fits`` and ``prepare`` (runner rows get host_us_bcg:
     # the call's host time less theirs); None: no user callback is timed
     user_time: UserTime | None = None
+    # the forward is one decode step, run as a loop of steps per sample (None: one forward per sample)
+    loop: DecodeLoop | None = None
 
     def forward(self, bp: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return self.make_forward(bp)
@@ -95,3 +106,82 @@ class Case:
         if self.T is not None:
             parts.append(f"T={self.T}")
         return " ".join(parts)
+
+
+@dataclass(eq=False)
+class DecodeLoop:
+    """A decode loop: ``steps`` forwards back to back, each one's inputs written on the device
+    from the previous one's output (no host synchronization), each with its own live metadata.
+
+    Arguments:
+        steps: forwards per loop (>= 1).
+        start: step 0's inputs on the device, one per forward input: a loop begins by copying
+            them into the inputs it runs on (device copies).
+        live: ``live(n)``: step ``n``'s live metadata, built anew at every step (host work that
+            counts, as an engine's scheduler builds each step's batch).
+        advance: ``advance(inputs, out)``: writes the next step's inputs from a step's output,
+            with device ops only (say, the sampled token ids copied into the ids input).
+
+    Every mode's loop does the same device work around its step: the copies of ``start``,
+    ``advance`` and one copy of each step's output into the loop's result.
+    """
+
+    steps: int
+    start: tuple[torch.Tensor, ...]
+    live: Callable[[int], Any]
+    advance: Callable[[Sequence[torch.Tensor], torch.Tensor], None]
+    _outputs: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def run(self, step: Step, inputs: Sequence[torch.Tensor],
+            marks: tuple[Sequence[Any], Sequence[Any]] | None = None) -> torch.Tensor:
+        """Run the loop over ``step`` on ``inputs`` (the tensors ``step`` reads); return every
+        step's output, ``[steps, *output shape]`` (rewritten by the next loop).
+
+        ``marks``: two sequences of ``steps`` CUDA events (``enable_timing=True``), recorded
+        on the current stream right before each step's call and after its last device op."""
+        for buf, x in zip(inputs, self.start):
+            buf.copy_(x)
+        outputs = self._outputs
+        live, advance = self.live, self.advance
+        for n in range(self.steps):
+            if marks is not None:
+                marks[0][n].record()
+            out = step(live(n))
+            if outputs is None:
+                outputs = self._outputs = torch.empty((self.steps, *out.shape), dtype=out.dtype, device=out.device)
+            outputs[n].copy_(out)
+            advance(inputs, out)
+            if marks is not None:
+                marks[1][n].record()
+        assert outputs is not None
+        return outputs
+
+    def gpu_idle(self, step: Step, inputs: Sequence[torch.Tensor], loops: int = 3) -> dict[str, float | None]:
+        """``loops`` more loops with CUDA events between the steps (none without CUDA):
+        ``gpu_idle_us_per_step``, the mean gap on the GPU between one step's last op and the
+        next step's start event (the GPU waited for the host's loop there), and
+        ``gpu_us_per_step``, the GPU's span from the first step's start to the last step's end
+        over ``steps`` (the median over the loops: GPU work plus any idle, also inside a step)."""
+        if not (torch.cuda.is_available() and self.start and self.start[0].is_cuda):
+            return {}
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.steps)]
+        gaps: list[float] = []
+        spans: list[float] = []
+        for _ in range(loops):
+            self.run(step, inputs, (starts, ends))
+            ends[-1].synchronize()
+            gaps += [end.elapsed_time(start) for end, start in zip(ends, starts[1:])]
+            spans.append(starts[0].elapsed_time(ends[-1]) / self.steps)
+        return {"gpu_idle_us_per_step": statistics.fmean(gaps) * 1e3 if gaps else None,
+                "gpu_us_per_step": statistics.median(spans) * 1e3}
+
+
+def eager_step(fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> Step:
+    """``fn(*args)`` as a :data:`Step`: run eagerly with the step's live metadata (``bcg.live_scope``)."""
+
+    def step(live: Any) -> torch.Tensor:
+        with bcg.live_scope(live):
+            return fn(*args)
+
+    return step

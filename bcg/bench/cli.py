@@ -36,7 +36,7 @@ import torch
 import bcg
 from bcg.bench import report
 from bcg.bench.argtypes import int_in, nonnegative_int, positive_int
-from bcg.bench.case import Case
+from bcg.bench.case import Case, eager_step
 from bcg.bench.registry import BuildContext, Built, NotApplicable, forward_of, load_modes, skip_reason
 from bcg.bench.timing import paired_difference, paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
 from bcg.bench.workloads import WORKLOADS
@@ -205,12 +205,14 @@ def _cleanup(cuda: bool) -> None:
 
 def _reference(case: Case, sync: Any, compiled: bool | str = False) -> torch.Tensor:
     """Eager output on the fresh inputs (after one eager warm-up run); ``compiled``: of the
-    torch.compile'd forward (what the compile modes must reproduce)."""
+    torch.compile'd forward (what the compile modes must reproduce); a decode loop's: every
+    step's output of the loop run eagerly."""
     fn = forward_of(case, case.bp, compiled)
     with bcg.live_scope(case.live):
         fn(*case.static_args)
         case.write_inputs(True)
-        ref = fn(*case.static_args).detach().clone()
+        ref = (case.loop.run(eager_step(fn, case.static_args), case.static_args) if case.loop is not None
+               else fn(*case.static_args)).detach().clone()
         case.write_inputs(False)
     sync()
     return ref

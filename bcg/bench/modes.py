@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import bcg
-from bcg.bench.case import Case
+from bcg.bench.case import Case, eager_step
 from bcg.bench.registry import (
     MODES,
     BuildContext,
@@ -26,6 +26,7 @@ from bcg.bench.registry import (
     NotApplicable,
     capture_stream_warmup,
     forward_of,
+    looped,
     register_mode,
 )
 from bcg.bench.timing import compiling_call
@@ -145,7 +146,7 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
     def run() -> torch.Tensor:
         return replay(live=fresh_live())
 
-    return Built(
+    built = Built(
         run=run,
         capture_s=stats.capture_s,
         pool_bytes=stats.pool_bytes,
@@ -154,6 +155,7 @@ def _bcg_graph(case: Case, ctx: BuildContext, executor: str | None, compiled: bo
         close=graph.reset,
         host=True,
     )
+    return looped(case, built, lambda live: replay(live=live), case.static_args)
 
 
 def _bcg_runner(
@@ -227,7 +229,7 @@ def _bcg_runner(
 
     for _ in range(warm):
         run()
-    return Built(
+    built = Built(
         run=run,
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
@@ -239,6 +241,8 @@ def _bcg_runner(
         check=check,
         own_host_s=own,
     )
+    # a decode loop: each step's inputs written into the runner's own buffers on the device
+    return looped(case, built, lambda live: runner(*args, live=live), args)
 
 
 def _bcg_staged(case: Case, ctx: BuildContext, compiled: bool | str) -> Built:
@@ -288,7 +292,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool | str, fn: Callable[...
         held["g"].reset()
         held.clear()
 
-    return Built(
+    built = Built(
         run=run,
         capture_s=capture_s,
         pool_bytes=pool_bytes(pool, torch.cuda.current_device()),
@@ -296,6 +300,7 @@ def _floor(case: Case, ctx: BuildContext, compiled: bool | str, fn: Callable[...
         close=close,
         host=True,  # its host time per replay, beside the runners'
     )
+    return looped(case, built, lambda live: run(), args)  # a decode loop: the same graph back to back
 
 
 def _compile_reason() -> str | None:
@@ -314,7 +319,7 @@ def build_eager(case: Case, ctx: BuildContext) -> Built:
         with bcg.live_scope(fresh_live()):
             return fn(*args)
 
-    return Built(run=run)
+    return looped(case, Built(run=run), eager_step(fn, args), args)
 
 
 @register_mode("floor", help="the same kernels in ONE torch.cuda.CUDAGraph, live values frozen at capture")
@@ -362,13 +367,14 @@ def build_bcg_eager(case: Case, ctx: BuildContext) -> Built:
     graph = bcg.make_graph(case.forward(case.bp), *case.static_args, mode="eager", live=case.live)
     stats = graph.stats()
     fresh_live, replay = case.fresh_live, graph.replay
-    return Built(
+    built = Built(
         run=lambda: replay(live=fresh_live()),
         capture_s=stats.capture_s,
         pool_bytes=None,
         info={"segments": stats.segments, "breakpoints": stats.breakpoints},
         close=graph.reset,
     )
+    return looped(case, built, lambda live: replay(live=live), case.static_args)
 
 
 @register_mode(

@@ -24,7 +24,7 @@ import torch
 
 import bcg
 from bcg.bench.case import Case
-from bcg.bench.registry import BuildContext, Built, capture_stream_warmup, register_mode
+from bcg.bench.registry import BuildContext, Built, NotApplicable, capture_stream_warmup, register_mode
 
 
 def _import(module: str) -> ModuleType | None:
@@ -52,6 +52,8 @@ def _build_sequence(
     capture_ctx: Callable[[Any, torch.cuda.Stream], Any],
 ) -> Built:
     """Shared skeleton: warm up, capture with the peer's context manager, replay."""
+    if case.loop is not None:
+        raise NotApplicable(f"{case.label}: the peers' adapters time one forward, not a decode loop")
     fn = case.forward(no_graph(case.bp_raw))
     args, live = case.static_args, case.live
     stream = capture_stream_warmup(fn, args, ctx.capture_warmup, live)

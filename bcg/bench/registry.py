@@ -12,8 +12,9 @@ They import this module only, never each other.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 import bcg
 from bcg.core.torch_internals import clear_cublas_workspaces
-from bcg.bench.case import Case
+from bcg.bench.case import Case, Step
 
 #: The modules whose import registers modes, in the order their modes run.
 MODE_MODULES: tuple[str, ...] = ("bcg.bench.modes", "bcg.bench.peers")
@@ -153,3 +154,30 @@ def forward_of(case: Case, bp: Callable[..., Any], compiled: bool | str) -> Call
     if case.make_compiled_forward is None:
         raise NotApplicable(f"{case.workload} has no torch.compile'd variant here")
     return case.make_compiled_forward(bp)
+
+
+def looped(case: Case, built: Built, step: Step, inputs: Sequence[torch.Tensor]) -> Built:
+    """``built`` as it runs a decode-loop case (``case.loop``; else ``built`` unchanged): ``run``
+    (and the checked run) is the whole loop over ``step`` on ``inputs`` (the tensors ``step``
+    reads, which the loop writes); the row gets ``gpu_idle_us_per_step`` and ``gpu_us_per_step``
+    from loops run after the timed ones (:meth:`bcg.bench.case.DecodeLoop.gpu_idle`); no host
+    timing (a loop's host path waits on the GPU when it runs ahead: see docs/staged.md)."""
+    loop = case.loop
+    if loop is None:
+        return built
+
+    def run() -> torch.Tensor:
+        return loop.run(step, inputs)
+
+    inner = built.measure
+
+    def measure() -> Callable[[], dict[str, Any]]:
+        stop_inner = inner() if inner is not None else None
+
+        def stop() -> dict[str, Any]:
+            fields = stop_inner() if stop_inner is not None else {}  # over the timed loops only
+            return {**fields, **loop.gpu_idle(step, inputs)}
+
+        return stop
+
+    return dataclasses.replace(built, run=run, check=run, measure=measure, host=False)

@@ -67,6 +67,7 @@ _LLAMA_COLS = (
     ("host +fl", "host_us_over_floor", "+.1f", 8), ("bcg us", "host_us_bcg", ".1f", 7),
     ("inline", "inline_fraction", ".2f", 6), ("hit", "hit_rate", ".2f", 5), ("stitch", "stitched_share", ".2f", 6),
     ("capts", "variant_captures", "d", 5), ("cache MiB", "cache_mib", ".1f", 9),
+    ("tok/s", "tokens_per_s", ".0f", 8), ("idle us", "gpu_idle_us_per_step", ".1f", 7),
 )
 _MICRO_COLS = (
     ("mode", "mode", "s", 21), ("K", "K", "d", 4), ("us/replay", "us_per_replay", ".1f", 10),

@@ -39,6 +39,15 @@ Each runner bucket also keeps staged tiers (:class:`bcg.StagedTiers`) for fewer
 slots (``--slot-tiers``, default the powers of two from 2 below ``--slots``): a
 batch runs the first whose slots hold its requests, so it does not pay for
 empty slots. A batch of more requests than ``--slots`` runs the breakable form.
+
+``--attn decode,mixed`` run the decoder over a paged KV cache
+(:mod:`bcg.bench.workloads.paged`). ``--attn decode-loop`` runs greedy decoding:
+the model gains a token embedding and an LM head (``--vocab``), and a sample is
+``--steps`` decode steps back to back (:class:`bcg.bench.case.DecodeLoop`):
+each step's argmax is copied on the device into the next step's token ids and
+the positions advance on the device (no host synchronization), while the
+host builds each step's batch (contexts + 1, tables growing at page
+boundaries), which the staged attention's ``prepare`` stages.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ import torch.nn.functional as F
 
 import bcg
 from bcg.core.torch_internals import fresh_inductor_cache, has_triton, maybe_mark_dynamic
-from bcg.bench.case import Case
+from bcg.bench.case import Case, DecodeLoop
 from bcg.bench.timing import UserTime, compiling_call
 from bcg.bench import lifecycle
 from bcg.bench.workloads import paged
@@ -75,6 +84,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
 }
 ATTN = ("flash", "varlen", "loop", "unfused")
+LOOP = "decode-loop"  # greedy decoding over the paged cache, --steps steps per sample
+PAGED = (*paged.KINDS, LOOP)  # the --attn kinds over a paged KV cache (T: the requests, or tokens for mixed)
 REPEATS = ("fixed", "zipf", "never")  # how the specialized modes' length tuples repeat
 LADDER_MIN = 16  # bcg.runner.default_buckets' smallest bucket
 ROPE_THETA = 500000.0
@@ -131,7 +142,7 @@ def default_slot_tiers(slots: int) -> list[int]:
 
 def attn_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    known = (*ATTN, *paged.KINDS)
+    known = (*ATTN, *PAGED)
     bad = [v for v in values if v not in known]
     if not values or bad:
         raise argparse.ArgumentTypeError(f"--attn takes a comma-separated subset of {','.join(known)}, got {text!r}")
@@ -173,10 +184,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="attention implementations: flash,varlen,loop,unfused (default all four; unfused: "
                    "per request GQA expand, q@k^T, scale, causal mask, float32 softmax, @v: ~10 launches each); "
                    "decode,mixed: a paged KV cache, T = requests of one new token each (decode) or tokens, "
-                   "half of them decode tokens (mixed)")
+                   "half of them decode tokens (mixed); decode-loop: greedy decoding of T requests, --steps "
+                   "steps per sample, each step's argmax copied on the device into the next step's token ids "
+                   "(rows add tokens_per_s = T * steps / the sample's seconds, gpu_idle_us_per_step: the "
+                   "mean gap on the GPU between a step's end and the next step's start, from CUDA events in "
+                   "loops run after the timed ones, i.e. how long the GPU waited for the host's loop, and "
+                   "gpu_us_per_step)")
     g.add_argument("--context", type=positive_int, default=2048,
                    help="decode,mixed: the longest context of a request (contexts drawn from 1 to it; default 2048)")
     g.add_argument("--page", type=positive_int, default=16, help="decode,mixed: tokens per KV-cache page (default 16)")
+    g.add_argument("--steps", type=positive_int, default=64,
+                   help="decode-loop: decode steps per timed sample, back to back (default 64); contexts grow "
+                   "by one per step, up to --context + steps - 1")
+    g.add_argument("--vocab", type=positive_int, default=32000,
+                   help="decode-loop: vocabulary size of the token embedding and LM head (default 32000)")
     g.add_argument("--zipf-tuples", type=positive_int, default=16, metavar="N",
                    help="mode bcg-specialized-zipf: length tuples drawn Zipf-distributed from N tuples (default 16)")
     g.add_argument("--zipf-s", type=float, default=1.0,
@@ -225,10 +246,12 @@ def check_args(args: argparse.Namespace) -> str | None:
         if value % tp:
             return f"--tp {tp} must divide {text}: each rank holds an equal share"
     small = [T for T in args.tokens if T < args.requests]
-    prefill = [a for a in args.attn if a not in paged.KINDS]  # decode: T is the requests; mixed: any T
+    prefill = [a for a in args.attn if a not in PAGED]  # decode: T is the requests; mixed: any T
     if small and prefill:
         return (f"--tokens {','.join(map(str, small))} is smaller than --requests {args.requests}: "
                 f"every request of a {prefill[0]} prefill needs at least one token")
+    if LOOP in args.attn and tp > 1:
+        return f"--attn {LOOP} runs on one GPU: drop --tp {tp} (its embedding and LM head are not sharded)"
     big = [k for k in tiers_of(args) if k >= args.slots]
     if big:
         return (f"--slot-tiers {','.join(map(str, big))} must be below --slots {args.slots}: a tier is a "
@@ -286,7 +309,8 @@ def config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "slots": args.slots,
         "slot_tiers": tiers_of(args),
         "lengths": ({str(T): request_lengths(T, args.requests, args.seed) for T in args.tokens}
-                    if any(a not in paged.KINDS for a in args.attn) else {}),  # the prefill requests
+                    if any(a not in PAGED for a in args.attn) else {}),  # the prefill requests
+        **({"steps": args.steps, "vocab": args.vocab} if LOOP in args.attn else {}),
     }
 
 
@@ -431,14 +455,20 @@ class TensorParallel:
 
 
 class LlamaModel:
-    """A Llama-style decoder stack with random weights (no embedding, no LM head).
+    """A Llama-style decoder stack with random weights; with ``vocab`` also a token embedding
+    and an LM head (:meth:`decode_step`).
 
     With ``tp`` each rank holds its shard, drawn from its own seed (the sharded
     model is not the one-GPU model of the same seed; every mode of a run uses the same shards).
+
+    Arguments:
+        vocab: the vocabulary of the embedding and LM head (0: neither; not with ``tp``).
     """
 
     def __init__(self, shape: dict[str, int], device: torch.device, max_pos: int, seed: int = 0,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, vocab: int = 0) -> None:
+        if vocab and tp is not None:
+            raise ValueError("the embedding and LM head are not sharded: vocab needs tp=None")
         self.shape = dict(shape)
         self.device = device
         self.dtype = dtype = _dtype(device)
@@ -468,6 +498,10 @@ class LlamaModel:
             for _ in range(shape["layers"])
         ]
         self.norm = norm()
+        # token embedding (unit-scale rows, as the hidden states the other points feed in) and LM head
+        self.vocab = vocab
+        self.embed = torch.randn(vocab, h, generator=gen, device=device, dtype=dtype) if vocab else None
+        self.lm_head = weight(vocab, h) if vocab else None
         inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
         freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -481,6 +515,7 @@ class LlamaModel:
     @property
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in vars(layer).values()]
+        tensors += [t for t in (self.embed, self.lm_head) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def compiled_regions(self, fresh: bool = False) -> Regions:
@@ -522,6 +557,15 @@ class LlamaModel:
         o = attend(-1, q, k, v, o)
         L = layers[-1]
         return r.last(x, o, L.wo, L.ffn_norm, L.w_gate_up, L.w_down, self.norm)
+
+
+    def decode_step(self, ids: torch.Tensor, pos: torch.Tensor, attn: Any) -> torch.Tensor:
+        """One greedy decode step: embed ``ids`` (``[T]`` int64), :meth:`forward` at ``pos``
+        (its final norm included), LM head, argmax: the next token ids, ``[T]`` int64, on the device."""
+        if self.embed is None or self.lm_head is None:
+            raise ValueError("this LlamaModel has no embedding and LM head: build it with vocab > 0")
+        x = F.embedding(ids, self.embed)
+        return torch.argmax(F.linear(self.forward(x, pos, attn), self.lm_head), dim=-1)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -865,14 +909,17 @@ def setup(args: argparse.Namespace, device: torch.device) -> LlamaModel:
         import torch.distributed as dist
 
         tp = TensorParallel(dist.get_rank(), dist.get_world_size())
-    paged_points = any(a in paged.KINDS for a in args.attn)
-    max_pos = max(*args.tokens, args.ladder_max, args.context if paged_points else 0)
-    return LlamaModel(shape(args), device, max_pos=max_pos, seed=args.seed, tp=tp)
+    paged_points = any(a in PAGED for a in args.attn)
+    loop = LOOP in args.attn
+    # a decode loop's positions reach --context + --steps - 1
+    max_pos = max(*args.tokens, args.ladder_max, args.context if paged_points else 0,
+                  args.context + args.steps if loop else 0)
+    return LlamaModel(shape(args), device, max_pos=max_pos, seed=args.seed, tp=tp, vocab=args.vocab if loop else 0)
 
 
 def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, attn: str | None, T: int | None) -> Case:
     assert attn is not None and T is not None
-    if attn in paged.KINDS:
+    if attn in PAGED:
         return _paged_case(model, args, device, attn, T)
     lengths = tuple(request_lengths(T, args.requests, args.seed))
     gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
@@ -960,65 +1007,134 @@ def make_case(model: LlamaModel, args: argparse.Namespace, device: torch.device,
 def _paged_case(model: LlamaModel, args: argparse.Namespace, device: torch.device, kind: str, T: int) -> Case:
     """A decode or mixed batch over a paged KV cache (``bcg.bench.workloads.paged``): T rows, the
     cache holding every request's context; the staged form's bounds are the point's own rows and
-    requests, and ``--context`` in pages."""
+    requests, and ``--context`` in pages. ``decode-loop``: a decode batch of T requests, each
+    with pages reserved for ``--steps`` more tokens (the bound grows as much), run as
+    :func:`_decode_loop`."""
+    loop = kind == LOOP
+    steps = args.steps if loop else 1
     page = args.page
-    bound = -(-args.context // page)  # pages per request
-    need_pages: list[int] = []
+    bound = -(-(args.context + steps - 1) // page)  # pages per request
+    reserved: list[tuple[int, ...]] = []  # each request's pages, for its context at the last step
 
     def tables_of(ctx: list[int]) -> tuple[tuple[int, ...], ...]:
-        need_pages.extend(-(-c // page) for c in ctx)
-        return tuple(tuple(range(start, start + n)) for start, n in
-                     zip(itertools.accumulate(need_pages[:-1], initial=1), need_pages))
+        need = [-(-(c + steps - 1) // page) for c in ctx]
+        starts = itertools.accumulate(need[:-1], initial=1)
+        reserved.extend(tuple(range(start, start + n)) for start, n in zip(starts, need))
+        return tuple(t[: -(-c // page)] for t, c in zip(reserved, ctx))  # the pages the contexts cover
 
-    batch = paged.make_batch(kind, T, args.context, args.requests, page, args.seed, tables_of)
-    cache = paged.PagedKVCache(model.shape["layers"], 1 + sum(need_pages), page, model.KV, model.D, device,
+    batch = paged.make_batch("decode" if loop else kind, T, args.context, args.requests, page, args.seed, tables_of)
+    cache = paged.PagedKVCache(model.shape["layers"], 1 + sum(map(len, reserved)), page, model.KV, model.D, device,
                                model.dtype)
     rows = batch.tokens
-    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
-    x_base = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
-    x_fresh = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
-    x = x_base.clone()
-    pos = torch.tensor(batch.positions(), device=device)
-
-    def write_inputs(fresh: bool) -> None:
-        x.copy_(x_fresh if fresh else x_base)
-
-    def make_forward(bp: Any) -> Any:
-        layers = paged.per_layer(bp, cache)
-        return lambda x, pos: model.forward(x, pos, layers)
-
     bp = paged.paged_breakpoint()
     staged = paged.StagedPagedAttention(rows, batch.requests, bound, page, device)
-    max_q = 1 if kind == "decode" else rows
+    max_q = 1 if kind != "mixed" else rows
 
     def capture_live(n: int, tiered: bool = False) -> Any:  # warm-ups and captures write the trash page only
         return paged.capture_lives(min(n, batch.requests), page, max_q, bound, tiered)
 
-    case = Case(
-        workload=NAME,
-        attn=kind,
-        T=T,
-        device=device,
-        static_args=(x, pos),
-        live=paged.PagedLive(batch),
-        new_live=lambda: paged.PagedLive(batch),
-        make_forward=make_forward,
-        bp=bp,
-        bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
-        bp_frozen=paged.frozen(batch, rows, device),
-        num_breaks=model.shape["layers"],
-        write_inputs=write_inputs,
-        fields={"attn_backend": "paged: gather + " + ("flash seqused_k" if paged.flash_paged_usable(device, model.dtype)
-                                                       else "masked attention"),
-                "requests": batch.requests, "tokens": rows, "context_pages": bound, "page": page,
-                "max_context": max(batch.ctx_lens)},
-        live_for=capture_live,
-    )
+    fields = {"attn_backend": "paged: gather + " + ("flash seqused_k" if paged.flash_paged_usable(device, model.dtype)
+                                                     else "masked attention"),
+              "requests": batch.requests, "tokens": rows, "context_pages": bound, "page": page,
+              "max_context": max(batch.ctx_lens)}
+    if loop:
+        case = _decode_loop(model, args, device, T, paged.DecodeSteps(batch, reserved), cache, bp)
+        case.fields.update(fields)
+    else:
+        gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
+        x_base = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
+        x_fresh = torch.randn(rows, model.hidden, generator=gen, device=device, dtype=model.dtype)
+        x = x_base.clone()
+        pos = torch.tensor(batch.positions(), device=device)
+
+        def write_inputs(fresh: bool) -> None:
+            x.copy_(x_fresh if fresh else x_base)
+
+        def make_forward(bp: Any) -> Any:
+            layers = paged.per_layer(bp, cache)
+            return lambda x, pos: model.forward(x, pos, layers)
+
+        case = Case(
+            workload=NAME,
+            attn=kind,
+            T=T,
+            device=device,
+            static_args=(x, pos),
+            live=paged.PagedLive(batch),
+            new_live=lambda: paged.PagedLive(batch),
+            make_forward=make_forward,
+            bp=bp,
+            bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
+            bp_frozen=paged.frozen(batch, rows, device),
+            num_breaks=model.shape["layers"],
+            write_inputs=write_inputs,
+            fields=fields,
+        )
+    case.live_for = capture_live
     case.staged = dataclasses.replace(case, bp=staged.breakpoint, live=paged.PagedLive(batch),
                                       new_live=lambda: paged.PagedLive(batch),
                                       live_for=functools.partial(capture_live, tiered=True),
                                       user_time=staged.user_time)
     return case
+
+
+def _decode_loop(model: LlamaModel, args: argparse.Namespace, device: torch.device, T: int,
+                 steps: paged.DecodeSteps, cache: paged.PagedKVCache, bp: Any) -> Case:
+    """The ``decode-loop`` point: greedy decoding of T requests, ``--steps`` steps per sample.
+
+    The forward is one step, ``(ids, pos) -> next ids`` (:meth:`LlamaModel.decode_step`). Each
+    step's next ids are its argmax, copied on the device into the ids the next step reads, and
+    the positions advance by one on the device (:class:`bcg.bench.case.DecodeLoop`); step ``n``'s
+    live metadata is ``steps.batch(n)``, built on the host at every step. The floor's attention
+    is frozen at the middle step's batch, so that over a loop it reads as many keys as the
+    loops whose contexts grow (a step's attention work follows its context lengths)."""
+    first = steps.first
+    rows, n = first.tokens, args.steps
+    vocab = model.vocab
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + T)
+    ids_base = torch.randint(vocab, (rows,), generator=gen, device=device)
+    ids_fresh = torch.randint(vocab, (rows,), generator=gen, device=device)
+    start = (ids_base.clone(), torch.tensor(first.positions(), device=device))
+    ids, pos = start[0].clone(), start[1].clone()  # the inputs the captures read (the floor's loop writes them)
+
+    def write_inputs(fresh: bool) -> None:
+        start[0].copy_(ids_fresh if fresh else ids_base)
+
+    def make_forward(bp: Any) -> Any:
+        layers = paged.per_layer(bp, cache)
+        return lambda ids, pos: model.decode_step(ids, pos, layers)
+
+    def advance(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        inputs[0].copy_(out)  # the sampled ids: the next step's input, with no host round trip
+        inputs[1].add_(1)
+
+    def live(step: int) -> paged.PagedLive:
+        return paged.PagedLive(steps.batch(step))
+
+    def finish_row(row: dict[str, Any]) -> None:
+        row["tokens_per_s"] = rows * n * 1e3 / row["ms_median"] if row["ms_median"] > 0 else None
+        paired = row.get("ratio_to_floor_paired")
+        row["tokens_per_s_to_floor_paired"] = 1 / paired if paired else None
+        row["ids_equal"] = row["rel_err"] == 0.0  # every step's ids equal the eager loop's
+
+    return Case(
+        workload=NAME,
+        attn=LOOP,
+        T=T,
+        device=device,
+        static_args=(ids, pos),
+        live=live(0),
+        new_live=lambda: live(0),
+        make_forward=make_forward,
+        bp=bp,
+        bp_raw=bp.__wrapped__,  # type: ignore[attr-defined]
+        bp_frozen=paged.frozen(steps.batch(n // 2), rows, device),
+        num_breaks=model.shape["layers"],
+        write_inputs=write_inputs,
+        fields={"steps": n, "vocab": vocab},
+        finish_row=finish_row,
+        loop=DecodeLoop(n, start, live, advance),
+    )
 
 
 def compile_usable(device: torch.device) -> str | None:

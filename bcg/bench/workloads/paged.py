@@ -157,6 +157,35 @@ class PagedBatch:
         return max(math.ceil(c / self.page) for c in self.ctx_lens)
 
 
+class DecodeSteps:
+    """The batches of a decode loop: at each step every request takes one new token, its context
+    grows by one and its block table by one page at each page boundary (pages reserved up front,
+    as an engine's allocator reserves a request's pages).
+
+    Arguments:
+        first: step 0's batch (one new token per request).
+        tables: each request's reserved pages, in order: enough for its context at the last step.
+    """
+
+    def __init__(self, first: PagedBatch, tables: Sequence[Sequence[int]]) -> None:
+        if first.max_q != 1:
+            raise ValueError("a decode loop's batch takes one new token per request")
+        if len(tables) != first.requests:
+            raise ValueError("tables needs one entry per request")
+        self.first, self.page = first, first.page
+        self._tables = tuple(tuple(t) for t in tables)
+        self.steps = min(len(t) * self.page - c for t, c in zip(self._tables, first.ctx_lens)) + 1
+
+    def batch(self, step: int) -> PagedBatch:
+        """Step ``step``'s batch (``0 <= step < self.steps``): contexts ``+ step``, each table cut
+        to the pages its context covers. Built anew at each call (host work a step pays)."""
+        if not 0 <= step < self.steps:
+            raise ValueError(f"step {step} is past the pages reserved for {self.steps} steps")
+        page, first = self.page, self.first
+        ctx = tuple(c + step for c in first.ctx_lens)
+        return PagedBatch(first.q_lens, ctx, tuple(t[: -(-c // page)] for t, c in zip(self._tables, ctx)), page)
+
+
 # -- the cache ------------------------------------------------------------------------------------
 
 
