@@ -99,3 +99,15 @@ def test_paged_eager_attention_equals_transformers() -> None:
     expected = generate(model, requests, 6, **CB)
     bcg_transformers.enable(model, kv_bounds=(256, 4096))
     assert generate(model, requests, 6, **CB) == expected
+
+
+def test_the_example_runs_and_its_tokens_are_equal() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "transformers_cb.py"
+    spec = importlib.util.spec_from_file_location("transformers_cb_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--requests", "8", "--new-tokens", "4", "--seed", str(_seed())]) is True
