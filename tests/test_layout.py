@@ -194,7 +194,7 @@ def test_private_torch_names_live_in_one_module() -> None:
 
 
 # The modules docs/api.md documents: what an example may import from bcg.
-_PUBLIC_MODULES = {"bcg", "bcg.errors", "bcg.distributed", "bcg.runner"}
+_PUBLIC_MODULES = {"bcg", "bcg.errors", "bcg.distributed", "bcg.runner", "bcg.integrations.transformers"}
 
 
 def test_examples_use_only_the_public_api() -> None:

@@ -1,0 +1,55 @@
+"""bcg for Hugging Face ``transformers``' continuous batching (tested with transformers 5.17.0).
+
+``enable(model)`` makes ``model.generate_batch(...)`` and ``ContinuousBatchingManager`` replay the
+model's forward through a lazy :class:`bcg.GraphRunner` (one graph per token bucket), with the
+attention a staged breakpoint over transformers' own paged cache, or a plain one. The rest of
+transformers' loop is unchanged. How it works, and what is staged: ``docs/transformers.md``.
+
+``transformers`` is imported when ``enable`` is called, not with ``bcg``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bcg.integrations.transformers.graphs import BASES, ContinuousBatchingGraphs
+
+#: KV bounds of the staged forms (keys read per step, all requests packed), smallest first.
+DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
+
+__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "ContinuousBatchingGraphs", "enable"]
+
+
+def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = True,
+           kv_bounds: Sequence[int] = DEFAULT_KV_BOUNDS, staged_max_tokens: int = 512,
+           mode: str | None = None) -> ContinuousBatchingGraphs:
+    """Run ``model``'s continuous-batching forward through a bcg :class:`bcg.GraphRunner`.
+
+    Arguments:
+        model: a transformers causal LM whose forward is ``base_model`` then the output embeddings
+            (Llama and its kind), with attention ``"paged|sdpa"`` or ``"paged|eager"`` (set with
+            ``model.set_attn_implementation``), full attention only (no sliding-window layers).
+        buckets: the token buckets (default: ``bcg.runner.default_buckets`` up to the CB cache's
+            ``max_batch_tokens``, from 8). Captured lazily, each at its first step.
+        staged: run the attention inline in the graph where a step fits (default); ``False``:
+            a plain breakpoint, run eagerly at every replay.
+        kv_bounds: ascending bounds on the keys one step reads (all its requests' context
+            packed): one staged form per bound and bucket; a step above the last runs the
+            attention as a plain breakpoint.
+        staged_max_tokens: buckets above it run the attention as a plain breakpoint only.
+        mode: ``"graph"`` or ``"eager"`` (default: graphs on CUDA, eager on the CPU).
+
+    Returns the handle: ``.stats()``, ``.release()`` (free the graphs), ``.disable()``.
+    Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
+    off for these attention implementations): transformers' own graphs would capture bcg's forward.
+    A wrong argument raises ``ValueError`` or ``TypeError``; a model whose attention is not one of
+    those raises ``ValueError``.
+    """
+    if mode not in (None, "graph", "eager"):
+        raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")
+    bounds = tuple(kv_bounds)
+    if not bounds or any(not isinstance(b, int) or b <= 0 for b in bounds) or list(bounds) != sorted(set(bounds)):
+        raise ValueError(f"bcg.integrations.transformers.enable: kv_bounds must be ascending positive ints, not {kv_bounds!r}")
+    return ContinuousBatchingGraphs(model, buckets=buckets, staged=staged, kv_bounds=bounds,
+                                    staged_max_tokens=staged_max_tokens, mode=mode)

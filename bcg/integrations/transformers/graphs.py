@@ -1,0 +1,187 @@
+"""``ContinuousBatchingGraphs``: transformers' continuous batching with its forward in a bcg ``GraphRunner``.
+
+The one place transformers is wrapped is the model's ``forward`` (an instance attribute, so only
+this model is affected): transformers' ``ModelRunner`` calls ``model(**PagedAttentionArgs)`` once
+per step and does everything else itself (scheduling, the paged cache and its indices, logits
+processing, sampling, async batching). A call that carries a ``PagedAttentionCache`` runs:
+
+1. the decoder (``model.base_model``) through a lazy :class:`bcg.GraphRunner` bucketed on the
+   step's token count, with the attention a breakpoint (:mod:`.attention`);
+2. the LM head eagerly on the rows transformers asks for (``logits_to_keep``), as
+   ``LlamaForCausalLM`` does.
+
+Every other call goes to the model's own forward. Tested with transformers 5.17.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+import bcg
+from bcg.integrations.transformers.attention import PagedAttention
+from bcg.integrations.transformers.metadata import CaptureMeta, StaticIndices, StepMeta
+
+log = logging.getLogger("bcg")
+
+#: The attention implementations whose paged function the integration calls.
+BASES = ("paged|sdpa", "paged|eager")
+
+
+class ContinuousBatchingGraphs:
+    """A model whose continuous-batching forward replays through a :class:`bcg.GraphRunner`.
+
+    Built by :func:`bcg.integrations.transformers.enable` (its arguments are documented there).
+    """
+
+    def __init__(self, model: Any, *, buckets: Sequence[int] | None, staged: bool, kv_bounds: Sequence[int],
+                 staged_max_tokens: int, mode: str | None) -> None:
+        import transformers
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self.model = model
+        self._output = CausalLMOutputWithPast
+        self._buckets = list(buckets) if buckets is not None else None
+        self.staged = staged
+        self.staged_max_tokens = staged_max_tokens
+        self._mode = mode
+        self.base_name = _attention_name(model)
+        if self.base_name not in BASES:
+            raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {self.base_name!r}; "
+                             f"set one of {BASES} (model.set_attn_implementation('paged|sdpa'))")
+        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, tuple(kv_bounds))
+        self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
+        transformers.AttentionInterface.register(self.name, self.attention)
+        self.runner: bcg.GraphRunner | None = None
+        self._cache: Any = None  # the CB session (its PagedAttentionCache) the runner's graphs read
+        self.steps = 0
+        self.sessions = 0
+        # The wrapping: an instance attribute shadows the class's forward for this model only.
+        self._own_forward = model.forward
+        model.forward = self._forward
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache")
+        if args or cache is None or "write_index" not in kwargs:
+            return self._own_forward(*args, **kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise bcg.CaptureError(
+                "transformers is capturing its own CUDA graph around a forward that bcg runs: pass "
+                "ContinuousBatchingConfig(use_cuda_graph=False) to generate_batch / init_continuous_batching")
+        meta = self._step_meta(kwargs)
+        runner = self._runner_for(cache, kwargs["input_ids"])
+        indices = self.attention.indices
+        if indices is not None:
+            bucket = runner.bucket_for(meta.tokens)
+            replays = bucket in runner.captured_buckets  # else this call captures it (eager mode too)
+            if bucket is not None and bucket <= self.staged_max_tokens and replays and meta.keys <= indices.read.numel():
+                indices.load(meta)
+                meta.loaded = True
+            else:
+                indices.clear()  # this call may capture: captures must write to the trash only
+        hidden = runner(kwargs["input_ids"], kwargs["position_ids"], live=meta)
+        self.steps += 1
+        keep = kwargs.get("logits_to_keep")
+        if keep is not None and not isinstance(keep, int):
+            hidden = hidden[:, keep]
+        elif keep:
+            hidden = hidden[:, -keep:]
+        return self._output(logits=self.model.get_output_embeddings()(hidden))
+
+    def _step_meta(self, kwargs: dict[str, Any]) -> StepMeta:
+        write, read = kwargs["write_index"], kwargs["read_index"]
+        mask, cu_k = kwargs.get("attention_mask"), kwargs["cu_seq_lens_k"]
+        if len(write) != 1 or isinstance(cu_k, dict) or isinstance(mask, dict):
+            raise NotImplementedError("bcg.integrations.transformers: models with several attention groups "
+                                      "(sliding-window layers) are not supported")
+        if kwargs.get("block_table") is not None:
+            raise NotImplementedError("bcg.integrations.transformers: the block-table decode path (flash) "
+                                      "is not supported")
+        return StepMeta(cache=kwargs["cache"], tokens=kwargs["input_ids"].shape[1], write_index=write[0],
+                        read_index=read[0], cu_q=kwargs["cu_seq_lens_q"], cu_k=cu_k, mask=mask)
+
+    # -- the runner --------------------------------------------------------------------------------
+
+    def _runner_for(self, cache: Any, input_ids: torch.Tensor) -> bcg.GraphRunner:
+        """The runner of ``cache``'s CB session: a new session (a new cache) gets new graphs, since
+        the graphs read the cache's tensors and the static indices at their addresses."""
+        if self.runner is not None and cache is self._cache:
+            return self.runner
+        self.release()
+        self._cache = cache
+        self.sessions += 1
+        max_tokens = cache.max_batch_tokens
+        buckets = self._buckets or bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
+        if buckets[-1] < max_tokens and self._buckets is None:
+            buckets = [*buckets, max_tokens]
+        bounds = [b for b in self.attention.kv_bounds if b <= cache.num_pages + max_tokens]
+        if self.staged and bounds:
+            self.attention.kv_bounds = tuple(bounds)
+            self.attention.indices = StaticIndices(cache, bounds[-1])
+        else:
+            self.attention.indices = None
+        mode = self._mode or ("graph" if input_ids.is_cuda else "eager")
+        example = torch.zeros(1, buckets[0], dtype=input_ids.dtype, device=input_ids.device)
+        self.runner = bcg.GraphRunner(self._decoder, buckets, example_inputs=(example, example.clone()), pad_dim=1,
+                                      live=self._capture_live, mode=mode, lazy=True, progress=False,
+                                      name="transformers_cb")
+        log.info("bcg: transformers continuous batching through GraphRunner (mode %s, buckets %s, staged %s)",
+                 mode, buckets, self.attention.indices is not None)
+        return self.runner
+
+    def _capture_live(self, tokens: int) -> Any:
+        """What bucket ``tokens``' warm-ups and captures run with: staged tiers, one per KV bound."""
+        if self.attention.indices is None or tokens > self.staged_max_tokens:
+            return CaptureMeta(None)
+        return bcg.StagedTiers(*(CaptureMeta(b) for b in self.attention.kv_bounds))
+
+    def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """What the runner captures: the decoder, its attention routed to the breakpoint."""
+        with self._routed():
+            try:
+                return self.model.base_model(input_ids=input_ids, position_ids=position_ids,
+                                             use_cache=False).last_hidden_state
+            finally:
+                self.attention.forget_mask()
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        self.model.set_attn_implementation(self.name)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(self.base_name)
+
+    # -- the handle --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The runner's :meth:`bcg.GraphRunner.stats` (``{}`` before the first step), plus ``steps``
+        (forwards run through the runner) and ``sessions`` (CB sessions, each with its own graphs)."""
+        stats = self.runner.stats() if self.runner is not None else {}
+        return {**stats, "steps": self.steps, "sessions": self.sessions}
+
+    def release(self) -> None:
+        """Free the graphs, their pool and the static indices (the next CB step captures again)."""
+        if self.runner is not None:
+            self.runner.reset()
+        self.runner = None
+        self._cache = None
+        self.attention.indices = None
+
+    def disable(self) -> None:
+        """Give the model its own forward back and free everything (see :meth:`release`)."""
+        self.release()
+        if self.model.forward == self._forward:
+            del self.model.forward
+
+
+def _attention_name(model: Any) -> str:
+    # transformers has no public getter of the attention implementation in use: its own code
+    # reads config._attn_implementation (set_attn_implementation is the public setter).
+    return str(model.config._attn_implementation)

@@ -1,0 +1,249 @@
+"""transformers' continuous batching, three ways: without graphs, with its own forced CUDA graphs, with bcg.
+
+A Llama built from a config (random weights), greedy decoding of seeded prompts through
+``model.generate_batch``. Modes (one process, one after another, each with its own persistent
+manager: a first run that captures, then ``--runs`` timed runs):
+
+* ``transformers``: its continuous batching without graphs (``use_cuda_graph=False``);
+* ``transformers-graphs``: its forced CUDA graphs (``use_cuda_graph=True``, default padding intervals);
+* ``bcg``: ``bcg.integrations.transformers.enable(model)`` (graphs lazily captured per token bucket).
+
+Reports per mode: generated tokens/s, time to first token p50/p99, graphs captured and seconds
+capturing, the memory graphs take (reserved memory above the no-graph mode's, and bcg's pool), and
+how many requests' tokens equal the no-graph mode's. Writes JSON and a PNG.
+
+Run: ``python benchmarks/transformers_cb.py [--requests 64 --new-tokens 128 --layers 16 ...]``
+(``--small`` shrinks everything for a quick check). Without a GPU it runs the no-graph and\nbcg (eager mode) modes only: a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bcg
+import bcg.integrations.transformers as bcg_transformers
+
+MODES = ("transformers", "transformers-graphs", "bcg")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
+
+
+def reserved() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                      num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                                      max_position_embeddings=8192)
+    torch.manual_seed(args.seed)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(args.attention)
+    return model
+
+
+def seeded_prompts(args: argparse.Namespace) -> list[list[int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()
+    return [torch.randint(1, args.vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class CaptureTimer:
+    """Counts and times transformers' own graph captures (benchmark instrumentation only)."""
+
+    def __init__(self) -> None:
+        # transformers exposes no count or timing of its CUDA graph captures: wrap the private
+        # ModelRunner._capture_graph, the one place they happen (transformers 5.17.0).
+        from transformers.generation.continuous_batching import model_runner
+
+        self.cls = model_runner.ModelRunner
+        self.original = self.cls._capture_graph
+        self.count, self.seconds = 0, 0.0
+        timer = self
+
+        def timed(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return timer.original(runner, *args, **kwargs)
+            finally:
+                sync()
+                timer.count += 1
+                timer.seconds += time.perf_counter() - t0
+
+        self.cls._capture_graph = timed
+
+    def close(self) -> None:
+        self.cls._capture_graph = self.original
+
+
+def run_once(model: Any, prompts: list[list[int]], args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = transformers.GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
+                                        pad_token_id=0)
+    blocks = args.requests * -(-(args.max_prompt + args.new_tokens) // args.block_size) + 8
+    cb = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
+                                  max_requests_per_batch=args.requests, use_cuda_graph=graphs)
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True,
+                               persistent_manager=True)
+    sync()
+    seconds = time.perf_counter() - t0
+    ttft = sorted(o.timestamps[0] - o.created_time for o in out.values() if o.timestamps)
+    tokens = {rid: list(o.generated_tokens) for rid, o in out.items()}
+    return {"seconds": seconds, "tokens_per_s": sum(map(len, tokens.values())) / seconds,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "tokens": tokens}
+
+
+def run_mode(mode: str, model: Any, prompts: list[list[int]], args: argparse.Namespace,
+             no_graph_reserved: int | None) -> dict[str, Any]:
+    logging.getLogger("bcg").info("mode %s", mode)
+    timer = CaptureTimer() if mode == "transformers-graphs" else None
+    handle = bcg_transformers.enable(model, staged=not args.plain) if mode == "bcg" else None
+    try:
+        first = run_once(model, prompts, args, graphs=mode == "transformers-graphs")
+        timed = [run_once(model, prompts, args, graphs=mode == "transformers-graphs") for _ in range(args.runs)]
+        reserved_bytes = reserved()
+        best = max(timed, key=lambda r: r["tokens_per_s"])
+        result: dict[str, Any] = {
+            "first_run_s": first["seconds"],
+            "tokens_per_s": [r["tokens_per_s"] for r in timed],
+            "ttft_p50_s": best["ttft_p50_s"], "ttft_p99_s": best["ttft_p99_s"],
+            "reserved_bytes": reserved_bytes,
+            "reserved_over_no_graphs_bytes": None if no_graph_reserved is None else reserved_bytes - no_graph_reserved,
+            "tokens": best["tokens"],
+        }
+        if timer is not None:
+            result.update(graphs_captured=timer.count, capture_s=timer.seconds)
+        elif handle is not None:
+            stats = handle.stats()
+            result.update(graphs_captured=len(stats["captured_buckets"]), capture_s=stats["capture_total_s"],
+                          forms_captured=sum(len(handle.runner.graph(b).forms) for b in stats["captured_buckets"])
+                          if stats["mode"] == "graph" else 0,
+                          pool_bytes=stats["pool_bytes"], fallbacks=stats["fallbacks"],
+                          inline_replays=stats["inline_replays"], staged_fallbacks=stats["staged_fallbacks"],
+                          sessions=stats["sessions"])
+        else:
+            result.update(graphs_captured=0, capture_s=0.0)
+        return result
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+        if handle is not None:
+            handle.disable()
+        if timer is not None:
+            timer.close()
+
+
+def draw(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    figures = [("generated tokens/s", [max(report["modes"][m]["tokens_per_s"]) for m in modes]),
+               ("TTFT p50 (s)", [report["modes"][m]["ttft_p50_s"] for m in modes]),
+               ("graphs captured", [report["modes"][m]["graphs_captured"] for m in modes]),
+               ("seconds capturing", [report["modes"][m]["capture_s"] for m in modes])]
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.5))
+    for ax, (title, values) in zip(axes, figures):
+        ax.bar(modes, values, color=["#888", "#c96", "#369"][: len(modes)])
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"{report['model']}, {report['gpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--inter", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--attention", default="paged|sdpa", choices=bcg_transformers.BASES)
+    p.add_argument("--runs", type=int, default=2, help="timed runs per mode, after the first (default 2)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--plain", action="store_true", help="bcg: attention as a plain breakpoint (not staged)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="4 layers, 16 requests, prompts up to 256, 32 tokens")
+    p.add_argument("--out", default="benchmarks/results/transformers_cb")
+    args = p.parse_args(argv)
+    if args.small:
+        args.layers, args.requests, args.max_prompt, args.new_tokens = 4, 16, 256, 32
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":  # a smoke run of the script: bcg in eager mode, no graph mode
+        modes_cpu = [m for m in args.modes.split(",") if m != "transformers-graphs"]
+        args.modes = ",".join(modes_cpu)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    import transformers
+
+    model = build_model(args, device, getattr(torch, args.dtype))
+    prompts = seeded_prompts(args)
+    modes = [m for m in args.modes.split(",") if m]
+    results: dict[str, Any] = {}
+    no_graph_reserved = None
+    for mode in modes:
+        results[mode] = run_mode(mode, model, prompts, args, no_graph_reserved)
+        if mode == "transformers":
+            no_graph_reserved = results[mode]["reserved_bytes"]
+    reference = results.get("transformers", {}).get("tokens")
+    for mode, r in results.items():
+        tokens = r.pop("tokens")
+        r["requests_equal_to_transformers"] = None if reference is None else sum(
+            tokens[k] == reference[k] for k in reference)
+        r["requests_differing"] = None if reference is None else [k for k in reference if tokens[k] != reference[k]]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+        "bcg": bcg.__version__, "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "model": f"Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, "
+                 f"inter {args.inter}, vocab {args.vocab}, {args.dtype}, {args.attention}",
+        "args": vars(args), "modes": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    draw(report, out.with_suffix(".png"))
+    for mode, r in results.items():
+        print(f"{mode:>20}: {max(r['tokens_per_s']):8.0f} tok/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
+              f"p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  graphs {r['graphs_captured']:4d} in {r['capture_s']:6.2f} s  "
+              f"equal {r['requests_equal_to_transformers']}/{args.requests}")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

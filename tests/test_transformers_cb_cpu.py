@@ -1,0 +1,113 @@
+"""bcg.integrations.transformers on the CPU: transformers' continuous batching through a GraphRunner
+in eager mode (same buckets, padding, staged and plain attention; no graphs) on a tiny Llama."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import bcg.integrations.transformers as bcg_transformers  # noqa: E402
+
+from .cb_models import generate, prompts, tiny_llama  # noqa: E402
+
+CB = {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 128, "max_requests_per_batch": 16}
+VOCAB = 512
+
+
+def _seed() -> int:
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    return seed
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "plain"])
+def test_tokens_equal_transformers_request_by_request(staged: bool) -> None:
+    seed = _seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 32, 1, 90, VOCAB)
+    expected = generate(model, requests, 8, **CB)
+    graphs = bcg_transformers.enable(model, staged=staged, kv_bounds=(256, 1024, 4096))
+    got = generate(model, requests, 8, **CB)
+    assert got.keys() == expected.keys()
+    differ = [rid for rid in expected if got[rid] != expected[rid]]
+    assert not differ, f"requests {differ} differ"
+    stats = graphs.stats()
+    assert stats["mode"] == "eager" and stats["steps"] == stats["calls"] > 0
+    runs = graphs.attention.runs
+    if staged:  # most steps ran the attention inline over the static indices
+        assert runs["staged"] > runs["plain"] > 0
+    else:
+        assert runs["plain"] > 0 and runs["staged"] == 0
+
+
+def test_steps_above_every_kv_bound_run_plain_attention() -> None:
+    seed = _seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 12, 20, 60, VOCAB)
+    expected = generate(model, requests, 6, **CB)
+    graphs = bcg_transformers.enable(model, kv_bounds=(32,))
+    assert generate(model, requests, 6, **CB) == expected
+    assert graphs.attention.runs["plain"] > 0
+
+
+def test_a_second_session_gets_new_graphs_and_equal_tokens() -> None:
+    seed = _seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    first, second = prompts(seed, 10, 1, 50, VOCAB), prompts(seed + 1, 10, 1, 50, VOCAB)
+    expected = [generate(model, first, 5, **CB), generate(model, second, 5, **CB)]
+    graphs = bcg_transformers.enable(model, kv_bounds=(256, 4096))
+    assert [generate(model, first, 5, **CB), generate(model, second, 5, **CB)] == expected
+    assert graphs.stats()["sessions"] == 2
+
+
+def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
+    seed = _seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    model.set_attn_implementation("sdpa")
+    expected = model(input_ids=ids).logits
+    model.set_attn_implementation("paged|sdpa")
+    graphs = bcg_transformers.enable(model)
+    model.set_attn_implementation("sdpa")  # not a CB call: the model's own forward
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    model.set_attn_implementation("paged|sdpa")
+    graphs.disable()
+    assert "forward" not in vars(model) and graphs.stats()["steps"] == 0
+
+
+def test_enable_refuses_what_it_cannot_run() -> None:
+    model = tiny_llama(0, vocab=VOCAB)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="paged\\|sdpa"):
+        bcg_transformers.enable(model)
+    model.set_attn_implementation("paged|eager")
+    with pytest.raises(ValueError, match="kv_bounds"):
+        bcg_transformers.enable(model, kv_bounds=(4096, 1024))
+    with pytest.raises(ValueError, match="mode"):
+        bcg_transformers.enable(model, mode="fast")
+
+
+def test_paged_eager_attention_equals_transformers() -> None:
+    seed = _seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    model.set_attn_implementation("paged|eager")
+    requests = prompts(seed, 16, 1, 70, VOCAB)
+    expected = generate(model, requests, 6, **CB)
+    bcg_transformers.enable(model, kv_bounds=(256, 4096))
+    assert generate(model, requests, 6, **CB) == expected
+
+
+def test_the_example_runs_and_its_tokens_are_equal() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "transformers_cb.py"
+    spec = importlib.util.spec_from_file_location("transformers_cb_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--requests", "8", "--new-tokens", "4", "--seed", str(_seed())]) is True
