@@ -38,7 +38,7 @@ MODES = ("transformers", "transformers-graphs", "bcg")
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def reserved() -> int:

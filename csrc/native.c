@@ -1071,6 +1071,380 @@ static PyTypeObject ReplayType = {
     .tp_new = Replay_new,
 };
 
+/* ---- Call: a GraphRunner call on its own input buffers, in C ----------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *runner;      /* its _real_rows counts the rows of real calls */
+    PyObject *handed;      /* dict: id(first padded input) -> (T, bucket, inputs) */
+    Py_ssize_t first;      /* the position of the first padded input */
+    PyObject *buckets;     /* dict: size -> Bucket */
+    PyObject *ladder;      /* kept_own_pools: non-empty means Python frees them first */
+    PyObject *schedule;    /* serving: false means Python sets the ladder up first */
+    PyObject *lock_state;  /* PoolCallLock: background, last_stream */
+    PyObject *lock;        /* its RLock */
+    PyObject *views_safe;  /* () -> whether this call may return views */
+    PyObject *padding;     /* the padding node group's label */
+    PyObject *get_device, *get_stream;
+    int device;
+    double max_ratio;      /* < 0: any padding share */
+} CallObject;
+
+static PyObject *str_background, *str_kept_own_pools, *str_serving, *str_captured, *str_failure, *str_graph,
+    *str_sliced, *str_single, *str_last_stream, *str_real_rows, *str_native, *str_set_enabled, *str_replay,
+    *str_acquire, *str_release, *str_sanitizer, *str_set_rows;
+
+static int
+Call_traverse(CallObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->runner);
+    Py_VISIT(self->handed);
+    Py_VISIT(self->buckets);
+    Py_VISIT(self->ladder);
+    Py_VISIT(self->schedule);
+    Py_VISIT(self->lock_state);
+    Py_VISIT(self->lock);
+    Py_VISIT(self->views_safe);
+    Py_VISIT(self->padding);
+    Py_VISIT(self->get_device);
+    Py_VISIT(self->get_stream);
+    return 0;
+}
+
+static int
+Call_clear(CallObject *self)
+{
+    Py_CLEAR(self->runner);
+    Py_CLEAR(self->handed);
+    Py_CLEAR(self->buckets);
+    Py_CLEAR(self->ladder);
+    Py_CLEAR(self->schedule);
+    Py_CLEAR(self->lock_state);
+    Py_CLEAR(self->lock);
+    Py_CLEAR(self->views_safe);
+    Py_CLEAR(self->padding);
+    Py_CLEAR(self->get_device);
+    Py_CLEAR(self->get_stream);
+    return 0;
+}
+
+static void
+Call_dealloc(CallObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"runner", "handed", "first", "buckets", "ladder", "schedule", "lock_state",
+                             "views_safe", "padding", "device", "get_device", "get_stream",
+                             "max_ratio", NULL};
+    PyObject *runner, *handed, *buckets, *ladder, *schedule, *lock_state, *views_safe, *padding,
+        *get_device, *get_stream;
+    Py_ssize_t first;
+    int device;
+    double max_ratio;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!nO!OOOOOiOOd:Call", kwlist, &runner, &PyDict_Type, &handed,
+                                     &first, &PyDict_Type, &buckets, &ladder, &schedule, &lock_state, &views_safe,
+                                     &padding, &device, &get_device, &get_stream, &max_ratio))
+        return NULL;
+    PyObject *lock = PyObject_GetAttrString(lock_state, "lock");
+    if (lock == NULL)
+        return NULL;
+    CallObject *self = (CallObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    self->runner = Py_NewRef(runner);
+    self->handed = Py_NewRef(handed);
+    self->first = first;
+    self->buckets = Py_NewRef(buckets);
+    self->ladder = Py_NewRef(ladder);
+    self->schedule = Py_NewRef(schedule);
+    self->lock_state = Py_NewRef(lock_state);
+    self->lock = lock;
+    self->views_safe = Py_NewRef(views_safe);
+    self->padding = Py_NewRef(padding);
+    self->get_device = Py_NewRef(get_device);
+    self->get_stream = Py_NewRef(get_stream);
+    self->device = device;
+    self->max_ratio = max_ratio;
+    return (PyObject *)self;
+}
+
+/* The truth of obj.name: 1, 0, or -1 with an exception set. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* obj.name += n. 0, or -1 with an exception set. */
+static int
+attr_add(PyObject *obj, PyObject *name, long n)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    PyObject *k = PyLong_FromLong(n);
+    PyObject *next = k != NULL ? PyNumber_Add(v, k) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(k);
+    if (next == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, next);
+    Py_DECREF(next);
+    return rc;
+}
+
+#define CALL_PYTHON() (Py_NewRef(Py_NotImplemented))
+
+static PyObject *Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n);
+
+PyDoc_STRVAR(Call_call_doc,
+"call(inputs, live, /)\n--\n\n"
+"One runner call on inputs ``input_buffers(T)`` handed out, when nothing\n"
+"unusual holds: the bucket captured into the runner's pool, its views for\n"
+"``T`` made, within the padding limit, the call lock free, views allowed, the\n"
+"current device the runner's and the stream the last replay's. Then, under\n"
+"the call lock: the sanitizer's row count, the padding group on or off, the\n"
+"graph's replay (in C when it has one), the counts; returns the output view.\n"
+"Otherwise ``NotImplemented``, having done nothing: the Python call runs.");
+
+static PyObject *
+Call_call(CallObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "call(inputs: tuple, live)");
+        return NULL;
+    }
+    PyObject *inputs = args[0], *live = args[1];
+    if (self->runner == NULL)
+        return CALL_PYTHON();
+    int t = attr_true(self->lock_state, str_background);
+    if (t != 0)
+        return t < 0 ? NULL : CALL_PYTHON();
+    Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
+    if (n_in <= self->first)
+        return CALL_PYTHON();
+    PyObject *key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(inputs, self->first));
+    if (key == NULL)
+        return NULL;
+    PyObject *found = PyDict_GetItemWithError(self->handed, key); /* borrowed */
+    Py_DECREF(key);
+    if (found == NULL)
+        return PyErr_Occurred() ? NULL : CALL_PYTHON();
+    if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 3)
+        return CALL_PYTHON();
+    PyObject *handed = PyTuple_GET_ITEM(found, 2);
+    if (!PyTuple_Check(handed) || PyTuple_GET_SIZE(handed) != n_in)
+        return CALL_PYTHON();
+    /* (the inputs tuple holds the handed tensors, and the ints below are taken as values) */
+    for (Py_ssize_t i = 0; i < n_in; i++)
+        if (PyTuple_GET_ITEM(handed, i) != PyTuple_GET_ITEM(inputs, i))
+            return CALL_PYTHON();
+    long T = PyLong_AsLong(PyTuple_GET_ITEM(found, 0));
+    long n = PyLong_AsLong(PyTuple_GET_ITEM(found, 1));
+    if ((T == -1 || n == -1) && PyErr_Occurred())
+        return NULL;
+    if (self->max_ratio >= 0 && (double)(n - T) > self->max_ratio * (double)n)
+        return CALL_PYTHON(); /* Python counts the padding-waste fallback */
+    PyObject *bucket_key = PyTuple_GET_ITEM(found, 1);
+    PyObject *bucket = PyDict_GetItemWithError(self->buckets, bucket_key); /* borrowed, held below */
+    if (bucket == NULL)
+        return PyErr_Occurred() ? NULL : CALL_PYTHON();
+    Py_INCREF(bucket);
+    PyObject *ret = Call_bucket(self, bucket, live, T, n);
+    Py_DECREF(bucket);
+    return ret;
+}
+
+/* The rest of Call.call, for `bucket` (held by the caller). */
+static PyObject *
+Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
+{
+    int t;
+    if ((t = attr_true(self->ladder, str_kept_own_pools)) != 0 || (t = attr_true(self->schedule, str_serving)) != 1 ||
+        (t = attr_true(bucket, str_captured)) != 1 || (t = attr_true(bucket, str_single)) != 1)
+        return t < 0 ? NULL : CALL_PYTHON();
+    PyObject *failure = PyObject_GetAttr(bucket, str_failure);
+    if (failure == NULL)
+        return NULL;
+    Py_DECREF(failure);
+    if (failure != Py_None)
+        return CALL_PYTHON();
+    PyObject *graph = PyObject_GetAttr(bucket, str_graph);
+    if (graph == NULL)
+        return NULL;
+    PyObject *result = NULL, *views = NULL, *sliced = NULL, *py_T = NULL;
+    int locked = 0;
+    if (graph == Py_None) {
+        result = CALL_PYTHON();
+        goto done;
+    }
+    sliced = PyObject_GetAttr(bucket, str_sliced);
+    if (sliced == NULL)
+        goto done;
+    py_T = PyLong_FromLong(T);
+    if (py_T == NULL)
+        goto done;
+    if (!PyDict_Check(sliced))
+        goto python;
+    views = PyDict_GetItemWithError(sliced, py_T);
+    if (views == NULL && PyErr_Occurred())
+        goto done;
+    if (views == NULL || !PyList_Check(views) || PyList_GET_SIZE(views) < 1) {
+        views = NULL;
+        goto python; /* Python makes the views of T first */
+    }
+    Py_INCREF(views);
+    /* the call lock, if free (else Python waits for it, counted) */
+    PyObject *got = PyObject_CallMethodOneArg(self->lock, str_acquire, Py_False);
+    if (got == NULL)
+        goto done;
+    locked = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    if (locked < 0) {
+        locked = 0;
+        goto done;
+    }
+    if (!locked)
+        goto python;
+    PyObject *safe = PyObject_CallNoArgs(self->views_safe);
+    if (safe == NULL)
+        goto done;
+    t = PyObject_IsTrue(safe);
+    Py_DECREF(safe);
+    if (t < 0)
+        goto done;
+    if (!t)
+        goto python; /* Python copies the outputs */
+    PyObject *dev_obj = PyObject_CallNoArgs(self->get_device);
+    if (dev_obj == NULL)
+        goto done;
+    long dev = PyLong_AsLong(dev_obj);
+    Py_DECREF(dev_obj);
+    if (dev == -1 && PyErr_Occurred())
+        goto done;
+    if (dev != self->device)
+        goto python; /* Python says which device */
+    PyObject *dev_arg = PyLong_FromLong(dev);
+    PyObject *stream = dev_arg != NULL ? PyObject_CallOneArg(self->get_stream, dev_arg) : NULL;
+    Py_XDECREF(dev_arg);
+    if (stream == NULL)
+        goto done;
+    PyObject *last = PyObject_GetAttr(self->lock_state, str_last_stream);
+    if (last == NULL) {
+        Py_DECREF(stream);
+        goto done;
+    }
+    int same = last == Py_None ? 1 : PyObject_RichCompareBool(last, stream, Py_EQ);
+    Py_DECREF(last);
+    if (same != 1) {
+        Py_DECREF(stream);
+        if (same < 0)
+            goto done;
+        goto python; /* Python orders this replay after the other stream's */
+    }
+    if (PyObject_SetAttr(self->lock_state, str_last_stream, stream) < 0) {
+        Py_DECREF(stream);
+        goto done;
+    }
+    PyObject *sanitizer = PyObject_GetAttr(self->ladder, str_sanitizer);
+    if (sanitizer == NULL) {
+        Py_DECREF(stream);
+        goto done;
+    }
+    PyObject *argv[3] = {sanitizer, py_T, stream};
+    PyObject *res = PyObject_VectorcallMethod(str_set_rows, argv, 3, NULL);
+    Py_DECREF(sanitizer);
+    Py_DECREF(stream);
+    if (res == NULL)
+        goto done;
+    Py_DECREF(res);
+    argv[0] = graph;
+    argv[1] = self->padding;
+    argv[2] = (T < n) ? Py_True : Py_False;
+    res = PyObject_VectorcallMethod(str_set_enabled, argv, 3, NULL);
+    if (res == NULL)
+        goto done;
+    Py_DECREF(res);
+    PyObject *native = PyObject_GetAttr(graph, str_native);
+    if (native == NULL)
+        goto done;
+    if (Py_IS_TYPE(native, &ReplayType))
+        res = Replay_run((ReplayObject *)native, live);
+    else {
+        PyObject *rargv[2] = {graph, live};
+        res = PyObject_VectorcallMethod(str_replay, rargv, 2, NULL);
+    }
+    Py_DECREF(native);
+    if (res == NULL)
+        goto done;
+    Py_DECREF(res);
+    if (attr_add(bucket, str_replays, 1) < 0 || attr_add(self->runner, str_real_rows, T) < 0)
+        goto done;
+    result = Py_NewRef(PyList_GET_ITEM(views, 0));
+    goto done;
+python:
+    result = CALL_PYTHON();
+done:
+    if (locked) {
+        PyObject *type = NULL, *value = NULL, *tb = NULL;
+        if (result == NULL)
+            PyErr_Fetch(&type, &value, &tb);
+        PyObject *r = PyObject_CallMethodNoArgs(self->lock, str_release);
+        if (r == NULL) {
+            if (result != NULL) {
+                Py_CLEAR(result);
+            }
+            else
+                PyErr_Clear();
+        }
+        Py_XDECREF(r);
+        if (type != NULL || value != NULL)
+            PyErr_Restore(type, value, tb);
+    }
+    Py_XDECREF(views);
+    Py_XDECREF(sliced);
+    Py_XDECREF(py_T);
+    Py_DECREF(graph);
+    return result;
+}
+
+static PyMethodDef Call_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))Call_call, METH_FASTCALL, Call_call_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Call_doc,
+"Call(runner, handed, first, buckets, ladder, schedule, lock_state, views_safe, padding, device, "
+"get_device, get_stream, max_ratio)\n--\n\n"
+"A ``GraphRunner``'s call in C, for the calls it can serve (see ``call``).\n"
+"It reads the runner's state at every call and keeps none of its own.");
+
+static PyTypeObject CallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "bcg._native.Call",
+    .tp_basicsize = sizeof(CallObject),
+    .tp_dealloc = (destructor)Call_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = Call_doc,
+    .tp_traverse = (traverseproc)Call_traverse,
+    .tp_clear = (inquiry)Call_clear,
+    .tp_methods = Call_methods,
+    .tp_new = Call_new,
+};
+
 /* ---- module ----------------------------------------------------------------------- */
 
 PyDoc_STRVAR(load_driver_doc,
@@ -1120,11 +1494,21 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&PlanType) < 0 || PyType_Ready(&ReplayType) < 0)
+    if (PyType_Ready(&PlanType) < 0 || PyType_Ready(&ReplayType) < 0 || PyType_Ready(&CallType) < 0)
         return NULL;
-    str_replays = PyUnicode_InternFromString("replays");
-    if (str_replays == NULL)
-        return NULL;
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&str_replays, "replays"}, {&str_background, "background"}, {&str_kept_own_pools, "kept_own_pools"},
+        {&str_serving, "serving"}, {&str_captured, "captured"}, {&str_failure, "failure"}, {&str_graph, "graph"},
+        {&str_sliced, "sliced"}, {&str_single, "single"}, {&str_last_stream, "last_stream"},
+        {&str_real_rows, "_real_rows"}, {&str_native, "_native"}, {&str_set_enabled, "set_enabled"},
+        {&str_replay, "replay"}, {&str_acquire, "acquire"}, {&str_release, "release"},
+        {&str_sanitizer, "sanitizer"}, {&str_set_rows, "set_rows"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].slot == NULL)
+            return NULL;
+    }
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;
@@ -1137,6 +1521,12 @@ PyInit__native(void)
     Py_INCREF(&ReplayType);
     if (PyModule_AddObject(m, "Replay", (PyObject *)&ReplayType) < 0) {
         Py_DECREF(&ReplayType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CallType);
+    if (PyModule_AddObject(m, "Call", (PyObject *)&CallType) < 0) {
+        Py_DECREF(&CallType);
         Py_DECREF(m);
         return NULL;
     }

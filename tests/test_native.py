@@ -6,6 +6,7 @@ import ctypes
 import gc
 import sys
 import weakref
+from typing import Any
 
 import pytest
 
@@ -756,3 +757,135 @@ def test_replay_does_not_leak_and_its_cycles_are_collected(_native) -> None:  # 
     del owner
     gc.collect()
     assert gone() is None
+
+
+# -- Call: a runner call in C ----------------------------------------------------------------
+
+
+class _Sanitizer:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def set_rows(self, T: int, stream: int) -> None:
+        self.log.append(("rows", T, stream))
+
+
+class _Graph:
+    def __init__(self, log: list, native: Any = None) -> None:
+        self.log, self._native = log, native
+
+    def set_enabled(self, label: str, enabled: bool) -> bool:
+        self.log.append(("enabled", label, enabled))
+        return True
+
+    def replay(self, live: Any) -> None:
+        self.log.append(("replay", live))
+
+
+def _call_kit(_native, **change):  # noqa: ANN001,ANN202
+    """A Call over fake runner state: bucket 8 captured, input_buffers(6) handed out, views of T=6 made."""
+    import threading
+    from types import SimpleNamespace
+
+    log: list = []
+    inputs = (object(), object())
+    out = object()
+    bucket = SimpleNamespace(captured=True, single=True, failure=None, graph=_Graph(log), sliced={6: [out]},
+                             replays=0)
+    state = dict(background=0, kept=[], serving=True, device=0, stream=0x77, last=None, safe=True, ratio=-1.0)
+    state.update(change)
+    lock_state = SimpleNamespace(lock=threading.RLock(), background=state["background"], last_stream=state["last"])
+    runner = SimpleNamespace(_real_rows=0)
+    kit = SimpleNamespace(log=log, inputs=inputs, out=out, bucket=bucket, runner=runner, lock_state=lock_state)
+    kit.call = _native.Call(runner, {id(inputs[1]): (6, 8, inputs)}, 1, {8: bucket},
+                            SimpleNamespace(kept_own_pools=state["kept"], sanitizer=_Sanitizer(log)),
+                            SimpleNamespace(serving=state["serving"]), lock_state, lambda: state["safe"], "padding",
+                            0, lambda: state["device"], lambda d: state["stream"], state["ratio"])
+    return kit
+
+
+def test_call_serves_a_call_on_handed_buffers_under_the_call_lock(_native) -> None:  # noqa: ANN001
+    kit = _call_kit(_native)
+    assert kit.call.call(kit.inputs, "live") is kit.out
+    assert kit.log == [("rows", 6, 0x77), ("enabled", "padding", True), ("replay", "live")]
+    assert kit.bucket.replays == 1 and kit.runner._real_rows == 6 and kit.lock_state.last_stream == 0x77
+    assert kit.lock_state.lock.acquire(blocking=False)  # released (an RLock: this thread may take it anyway)
+    kit.lock_state.lock.release()
+
+
+def test_call_replays_the_graphs_native_replay_when_it_has_one(_native) -> None:  # noqa: ANN001
+    kit = _call_kit(_native)
+    ran: list = []
+    entry = (None, None, _native.Plan([lambda: ran.append(bcg.live())]), (), _Form(), None, None, None)
+    kit.bucket.graph._native = _replay_kit(_native, [entry])[0]
+    assert kit.call.call(kit.inputs, "meta") is kit.out and ran == ["meta"]
+    assert ("replay", "meta") not in kit.log  # not through the graph's Python replay
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"background": 1}, "a background capture runs"),
+    ({"kept": [1]}, "own pools to free first"),
+    ({"serving": False}, "not set up"),
+    ({"safe": False}, "outputs must be copied"),
+    ({"device": 1}, "another device"),
+    ({"last": 0x99}, "the last replay was on another stream"),
+    ({"ratio": 0.2}, "too padded (2 of 8 rows)"),
+])
+def test_call_hands_back_what_it_does_not_serve_having_done_nothing(_native, change, why) -> None:  # noqa: ANN001
+    kit = _call_kit(_native, **change)
+    assert kit.call.call(kit.inputs, None) is NotImplemented, why
+    assert kit.log == [] and kit.bucket.replays == 0 and kit.runner._real_rows == 0, why
+    assert kit.lock_state.lock.acquire(blocking=False), why
+    kit.lock_state.lock.release()
+
+
+def test_call_hands_back_other_inputs_and_buckets_not_ready(_native) -> None:  # noqa: ANN001
+    import threading
+
+    kit = _call_kit(_native)
+    assert kit.call.call((object(), kit.inputs[1]), None) is NotImplemented  # not the inputs handed out
+    assert kit.call.call((kit.inputs[0], object()), None) is NotImplemented
+    assert kit.call.call(kit.inputs[:1], None) is NotImplemented
+    for name, value in (("captured", False), ("failure", "capture failed"), ("graph", None), ("sliced", {}),
+                        ("single", False)):
+        kit = _call_kit(_native)
+        setattr(kit.bucket, name, value)
+        assert kit.call.call(kit.inputs, None) is NotImplemented, name
+        assert kit.log == [], name
+    kit = _call_kit(_native)
+    held = threading.Event()
+    done = threading.Event()
+
+    def hold() -> None:
+        with kit.lock_state.lock:
+            held.set()
+            done.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    try:
+        assert kit.call.call(kit.inputs, None) is NotImplemented  # another thread calls: Python waits
+    finally:
+        done.set()
+        thread.join()
+    assert kit.log == []
+
+
+def test_call_releases_the_lock_when_the_replay_raises(_native) -> None:  # noqa: ANN001
+    kit = _call_kit(_native)
+
+    def boom(live):  # noqa: ANN001,ANN202
+        raise ValueError("replay failed")
+
+    kit.bucket.graph.replay = boom
+    with pytest.raises(ValueError, match="replay failed"):
+        kit.call.call(kit.inputs, None)
+    assert kit.bucket.replays == 0
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(kit.lock_state.lock.acquire(blocking=False)))
+    t.start()
+    t.join()
+    assert got == [True]

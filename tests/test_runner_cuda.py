@@ -294,6 +294,60 @@ def test_inputs_built_in_the_runner_buffers_are_not_copied(monkeypatch: pytest.M
         assert torch.equal(y_own, y)
 
 
+def test_calls_on_input_buffers_run_in_c_and_match_the_python_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a T's output views exist, a call on ``input_buffers(T)`` runs in one native call (no
+    Python ``_call``); its outputs, the counts and the padded-row zeroing equal the Python call's
+    (``BCG_NATIVE=0``), on fresh inputs, and on a second stream the Python call orders the replay."""
+    from bcg.runner.graph_runner import GraphRunner
+
+    python_calls = [0]
+    real = GraphRunner._call
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001,ANN202
+        python_calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphRunner, "_call", counted)
+    model = _model()
+    results = {}
+    for native_env in ("1", "0"):
+        monkeypatch.setenv("BCG_NATIVE", native_env)
+        runner = _runner(model, [16, 64])
+        gen = torch.Generator().manual_seed(21)
+        outs, firsts = [], set()
+        python_calls[0] = 0
+        for T in (64, 16, 5, 64, 40, 5, 16, 40):
+            x, pos, live = _batch(T, gen)
+            bx, bpos = runner.input_buffers(T)
+            bx.copy_(x)
+            bpos.copy_(pos)
+            before = python_calls[0]
+            y = runner(bx, bpos, live=live)
+            if native_env == "1":  # the first call of a T makes its views in Python; later ones are C's
+                assert python_calls[0] - before == (T not in firsts), T
+            firsts.add(T)
+            assert torch.equal(y, _padded_eager(model, x, live, runner.bucket_for(T))), T
+            outs.append(y.clone())
+        if native_env == "0":
+            assert python_calls[0] == 8
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # another stream than the last replay's: Python orders it
+            before = python_calls[0]
+            x, pos, live = _batch(40, gen)
+            bx, bpos = runner.input_buffers(40)
+            bx.copy_(x)
+            bpos.copy_(pos)
+            y = runner(bx, bpos, live=live)
+            assert python_calls[0] == before + 1
+            assert torch.equal(y, _padded_eager(model, x, live, 64))
+        torch.cuda.synchronize()
+        stats = runner.stats()
+        results[native_env] = (outs, {k: stats[k] for k in ("calls", "graph_calls", "padding_ratio")})
+        runner.reset()
+    assert all(torch.equal(a, b) for a, b in zip(results["1"][0], results["0"][0]))
+    assert results["1"][1] == results["0"][1]
+
+
 def test_decode_style_batches_padded_along_dim_1() -> None:
     """Bucketing over the batch size of ``[2, B, H]`` inputs (pad_dim=1, per-bucket buffers)."""
     torch.manual_seed(1)

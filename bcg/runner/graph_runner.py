@@ -30,6 +30,7 @@ from bcg.runner.arguments import check_runner_arguments
 from bcg.runner.buckets import default_buckets, normalize_buckets, pick_bucket, too_padded
 from bcg.runner.inputs import HandedInputs, check_inputs, describe_inputs, padded_device
 from bcg.runner.ladder import Ladder
+from bcg.runner.native_call import native_call
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
 from bcg.runner.sanitizer import PADDING, CrossingRecorder
 from bcg.runner.schedule import CaptureSchedule
@@ -156,6 +157,7 @@ class GraphRunner:
         self._real_rows = 0  # (calls, graph calls and padded rows: from the buckets' replays, in stats())
         self._fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
         self._handed = HandedInputs(self._first_padded)  # input_buffers(T), as handed out
+        self._native: Any = None  # the call in C (runner.native_call); None: built at the next call
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self, background: bool = False) -> GraphRunner:
@@ -246,6 +248,14 @@ class GraphRunner:
         (:meth:`bcg.distributed.RankAgreement.expect_same`; a difference raises
         :class:`bcg.ReplayError` at the next call).
         """
+        if bucket is None:  # a call on input_buffers(T) that nothing holds up: all of it in C
+            fast = self._native
+            if fast is None:
+                fast = self._native = native_call(self, self._handed, self._ladder, self._schedule, self._lock,
+                                                  self._device.index or 0, self._copy_outputs,
+                                                  self._max_padding_ratio, self._ranks)
+            if fast and (out := fast.call(inputs, live)) is not NotImplemented:
+                return out
         if self._lock.background:  # a background capture of the pool runs: it yields to calls
             with self._lock.serving():
                 schedule = self._schedule

@@ -281,6 +281,16 @@ class HandedInputs:
         # id(first padded view) -> (T, bucket, inputs); the inputs are held, so the id stays unique
         self._by_id: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
 
+    @property
+    def first(self) -> int:
+        return self._first
+
+    @property
+    def by_id(self) -> dict[int, tuple[int, int, tuple[Any, ...]]]:
+        """``id(first padded input) -> (T, bucket, inputs)``: the one table (cleared in place, never
+        replaced) that the native call (:mod:`bcg.runner.native_call`) looks calls up in."""
+        return self._by_id
+
     def get(self, T: int) -> tuple[Any, ...] | None:
         return self._by_rows.get(T)
 
