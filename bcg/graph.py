@@ -392,11 +392,11 @@ class BreakableGraph:
 
     def _build_native(self) -> Any:
         """The C replay of the forms as they are now (``bcg._native.Replay``), or False where a
-        replay goes through Python: eager mode, the Python executor, keyed breakpoints, guards or
-        poison, or no native extension. A form C cannot replay goes to :meth:`_replay_slow`: the
+        replay goes through Python: eager mode, the Python executor, ``BCG_NATIVE=0`` (read now),
+        keyed breakpoints, guards or poison, or no native extension. A form C cannot replay goes to :meth:`_replay_slow`: the
         breakable form of a staged graph (it counts its reasons, and switches node groups)."""
         forms, first = self._forms, self._first
-        if first is None or not native.available() or any(
+        if first is None or not native.enabled_by_env() or not native.available() or any(
                 f.executor is None or f.executor.name != "native" or f.variants is not None
                 or f.recording.guards is not None or f.recording.poison is not None for f in forms):
             return False

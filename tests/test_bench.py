@@ -99,7 +99,7 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 def test_mode_registry_lists_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     expected = ["eager", "floor", "floor-again", "bcg", "bcg-graph", "bcg-python", "bcg-eager", "floor-compile",
                 "floor-compile-again", "bcg-compile",
-                "bcg-staged", "bcg-staged-compile", "floor-fullcompile", "floor-fullcompile-again", "bcg-fullcompile",
+                "bcg-staged", "bcg-staged-pycall", "bcg-staged-compile", "floor-fullcompile", "floor-fullcompile-again", "bcg-fullcompile",
                 "bcg-staged-fullcompile",
                 "inductor-partition", "bcg-specialized", "bcg-specialized-zipf",
                 "bcg-specialized-never", "bcg-never", "floor-no-allreduce", "piecewise-cuda-graphs",

@@ -10,6 +10,7 @@ being closed, and must replay correctly after any other mode's replay.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -407,6 +408,25 @@ def build_bcg_compile(case: Case, ctx: BuildContext) -> Built:
 )
 def build_bcg_staged(case: Case, ctx: BuildContext) -> Built:
     return _bcg_staged(case, ctx, compiled=False)
+
+
+@register_mode(
+    "bcg-staged-pycall",
+    help="bcg-staged with the runner's call and the graph's replay in Python around the native executor's "
+    "launches (BCG_NATIVE=0 while its first call builds them): the one native call's A/B",
+)
+def build_bcg_staged_pycall(case: Case, ctx: BuildContext) -> Built:
+    built = _bcg_staged(case, ctx, compiled=False)
+    previous = os.environ.get("BCG_NATIVE")
+    os.environ["BCG_NATIVE"] = "0"  # (the executors were built at the capture: native)
+    try:
+        built.run()
+    finally:
+        if previous is None:
+            del os.environ["BCG_NATIVE"]
+        else:
+            os.environ["BCG_NATIVE"] = previous
+    return built
 
 
 @register_mode(
