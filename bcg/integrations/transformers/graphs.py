@@ -140,6 +140,9 @@ class ContinuousBatchingGraphs:
         # above that is cut to it, so the last tier holds every step
         capacity = cache.num_pages + max_tokens
         bounds = sorted({min(b, capacity) for b in self._kv_bounds})
+        # a bound cut to the capacity barely above the one before: one tier (one form per bucket) less
+        if self._kv_bounds[-1] > capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
+            del bounds[-2]
         if self.staged and bounds:
             self.attention.kv_bounds = tuple(bounds)
             self.attention.indices = StaticIndices(cache, bounds[-1])
