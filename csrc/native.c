@@ -859,21 +859,47 @@ ask_fits(PyObject *check, PyObject *live)
     return yes;
 }
 
+/* obj.name += n. 0, or -1 with an exception set. */
 static int
-count_replay(PyObject *form)
+attr_add(PyObject *obj, PyObject *name, long n)
 {
-    PyObject *count = PyObject_GetAttr(form, str_replays);
-    if (count == NULL)
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
         return -1;
-    PyObject *one = PyLong_FromLong(1);
-    PyObject *next = one != NULL ? PyNumber_Add(count, one) : NULL;
-    Py_DECREF(count);
-    Py_XDECREF(one);
+    PyObject *k = PyLong_FromLong(n);
+    PyObject *next = k != NULL ? PyNumber_Add(v, k) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(k);
     if (next == NULL)
         return -1;
-    int rc = PyObject_SetAttr(form, str_replays, next);
+    int rc = PyObject_SetAttr(obj, name, next);
     Py_DECREF(next);
     return rc;
+}
+
+/* The current device (from get_device()) and, when it is `expected`, its current stream (from
+ * get_stream(device)). Returns 1 (both set), 0 (another device: *device set), or -1 with an
+ * exception set. */
+static int
+current_place(PyObject *get_device, PyObject *get_stream, int expected, long *device, CUstream *stream)
+{
+    PyObject *dev_obj = PyObject_CallNoArgs(get_device);
+    if (dev_obj == NULL)
+        return -1;
+    *device = PyLong_AsLong(dev_obj);
+    Py_DECREF(dev_obj);
+    if (*device == -1 && PyErr_Occurred())
+        return -1;
+    if (*device != expected)
+        return 0;
+    PyObject *dev_arg = PyLong_FromLong(*device);
+    PyObject *stream_obj = dev_arg != NULL ? PyObject_CallOneArg(get_stream, dev_arg) : NULL;
+    Py_XDECREF(dev_arg);
+    if (stream_obj == NULL)
+        return -1;
+    int bad = parse_stream(stream_obj, stream);
+    Py_DECREF(stream_obj);
+    return bad < 0 ? -1 : 1;
 }
 
 /* The launch of form `e`: head, prepares, tail, with live set. 0, or -1 with an exception set. */
@@ -982,14 +1008,12 @@ Replay_run(ReplayObject *self, PyObject *live)
         goto done;
     }
     FormEntry *e = &self->entries[chosen];
-    PyObject *dev_obj = PyObject_CallNoArgs(self->get_device);
-    if (dev_obj == NULL)
+    long dev;
+    CUstream stream;
+    int here = current_place(self->get_device, self->get_stream, self->device, &dev, &stream);
+    if (here < 0)
         goto done;
-    long dev = PyLong_AsLong(dev_obj);
-    Py_DECREF(dev_obj);
-    if (dev == -1 && PyErr_Occurred())
-        goto done;
-    if (dev != self->device) { /* Python says which device to replay on */
+    if (here == 0) { /* Python says which device to replay on */
         result = replay_slow(self, live, chosen, reason);
         goto done;
     }
@@ -999,17 +1023,9 @@ Replay_run(ReplayObject *self, PyObject *live)
             goto done;
         Py_DECREF(ok);
     }
-    PyObject *dev_arg = PyLong_FromLong(dev);
-    PyObject *stream_obj = dev_arg != NULL ? PyObject_CallOneArg(self->get_stream, dev_arg) : NULL;
-    Py_XDECREF(dev_arg);
-    if (stream_obj == NULL)
+    if (replay_form(self, e, live, stream, (int)dev) < 0)
         goto done;
-    CUstream stream;
-    int bad = parse_stream(stream_obj, &stream);
-    Py_DECREF(stream_obj);
-    if (bad < 0 || replay_form(self, e, live, stream, (int)dev) < 0)
-        goto done;
-    if (count_replay(e->form) < 0)
+    if (attr_add(e->form, str_replays, 1) < 0)
         goto done;
     if (e->after != NULL) {
         PyObject *res = PyObject_CallNoArgs(e->after);
@@ -1188,24 +1204,6 @@ attr_true(PyObject *obj, PyObject *name)
     return t;
 }
 
-/* obj.name += n. 0, or -1 with an exception set. */
-static int
-attr_add(PyObject *obj, PyObject *name, long n)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    PyObject *k = PyLong_FromLong(n);
-    PyObject *next = k != NULL ? PyNumber_Add(v, k) : NULL;
-    Py_DECREF(v);
-    Py_XDECREF(k);
-    if (next == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(obj, name, next);
-    Py_DECREF(next);
-    return rc;
-}
-
 #define CALL_PYTHON() (Py_NewRef(Py_NotImplemented))
 
 static PyObject *Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n);
@@ -1328,18 +1326,14 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
         goto done;
     if (!t)
         goto python; /* Python copies the outputs */
-    PyObject *dev_obj = PyObject_CallNoArgs(self->get_device);
-    if (dev_obj == NULL)
+    long dev;
+    CUstream raw;
+    int here = current_place(self->get_device, self->get_stream, self->device, &dev, &raw);
+    if (here < 0)
         goto done;
-    long dev = PyLong_AsLong(dev_obj);
-    Py_DECREF(dev_obj);
-    if (dev == -1 && PyErr_Occurred())
-        goto done;
-    if (dev != self->device)
+    if (here == 0)
         goto python; /* Python says which device */
-    PyObject *dev_arg = PyLong_FromLong(dev);
-    PyObject *stream = dev_arg != NULL ? PyObject_CallOneArg(self->get_stream, dev_arg) : NULL;
-    Py_XDECREF(dev_arg);
+    PyObject *stream = PyLong_FromVoidPtr(raw);
     if (stream == NULL)
         goto done;
     PyObject *last = PyObject_GetAttr(self->lock_state, str_last_stream);
