@@ -249,12 +249,11 @@ class GraphRunner:
         :class:`bcg.ReplayError` at the next call).
         """
         if bucket is None:  # a call on input_buffers(T) that nothing holds up: all of it in C
-            fast = self._native
-            if fast is None:
-                fast = self._native = native_call(self, self._handed, self._ladder, self._schedule, self._lock,
-                                                  self._device.index or 0, self._copy_outputs,
-                                                  self._max_padding_ratio, self._ranks)
-            if fast and (out := fast.call(inputs, live)) is not NotImplemented:
+            if self._native is None:
+                self._native = native_call(self, self._handed, self._ladder, self._schedule, self._lock,
+                                           self._device.index or 0, self._copy_outputs, self._max_padding_ratio,
+                                           self._ranks)
+            if self._native and (out := self._native.call(inputs, live)) is not NotImplemented:
                 return out
         if self._lock.background:  # a background capture of the pool runs: it yields to calls
             with self._lock.serving():
