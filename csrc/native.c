@@ -957,8 +957,18 @@ PyDoc_STRVAR(Replay_run_doc,
 "fits) goes to ``slow(live, index, reason)``, with the choice already made\n"
 "(``index`` None: no choice made; -1: nothing fits).");
 
+static PyObject *replay_at(ReplayObject *self, PyObject *live, int placed, long dev, CUstream stream);
+
 static PyObject *
 Replay_run(ReplayObject *self, PyObject *live)
+{
+    return replay_at(self, live, 0, -1, NULL);
+}
+
+/* Replay_run; `placed`: the caller (a runner call) has read the current device `dev` and its
+ * stream `stream` already, so they are not read again. */
+static PyObject *
+replay_at(ReplayObject *self, PyObject *live, int placed, long dev, CUstream stream)
 {
     if (self->forms == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bcg._native.Replay was cleared");
@@ -1008,9 +1018,8 @@ Replay_run(ReplayObject *self, PyObject *live)
         goto done;
     }
     FormEntry *e = &self->entries[chosen];
-    long dev;
-    CUstream stream;
-    int here = current_place(self->get_device, self->get_stream, self->device, &dev, &stream);
+    int here = placed ? dev == self->device
+                      : current_place(self->get_device, self->get_stream, self->device, &dev, &stream);
     if (here < 0)
         goto done;
     if (here == 0) { /* Python says which device to replay on */
@@ -1376,7 +1385,7 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
     if (native == NULL)
         goto done;
     if (Py_IS_TYPE(native, &ReplayType))
-        res = Replay_run((ReplayObject *)native, live);
+        res = replay_at((ReplayObject *)native, live, 1, dev, raw); /* (device and stream read above) */
     else {
         PyObject *rargv[2] = {graph, live};
         res = PyObject_VectorcallMethod(str_replay, rargv, 2, NULL);
