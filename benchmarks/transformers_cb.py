@@ -1,19 +1,22 @@
 """transformers' continuous batching, three ways: without graphs, with its own forced CUDA graphs, with bcg.
 
 A Llama built from a config (random weights), greedy decoding of seeded prompts through
-``model.generate_batch``. Modes (one process, one after another, each with its own persistent
-manager: a first run that captures, then ``--runs`` timed runs):
+``model.generate_batch``. Modes, in one process, each with its own model instance (the same
+weights) and persistent manager: every mode's first run (which captures), then ``--runs`` rounds
+of one timed run per mode, alternated (the order rotated each round):
 
 * ``transformers``: its continuous batching without graphs (``use_cuda_graph=False``);
 * ``transformers-graphs``: its forced CUDA graphs (``use_cuda_graph=True``, default padding intervals);
 * ``bcg``: ``bcg.integrations.transformers.enable(model)`` (graphs lazily captured per token bucket).
 
-Reports per mode: generated tokens/s, time to first token p50/p99, graphs captured and seconds
-capturing, the memory graphs take (reserved memory above the no-graph mode's, and bcg's pool), and
-how many requests' tokens equal the no-graph mode's. Writes JSON and a PNG.
+Reports per mode: generated tokens/s per run (and bcg's paired to the faster transformers mode,
+round by round), time to first token p50/p99 over the timed runs, graphs captured and seconds
+capturing, the memory graphs take (transformers': what its first run added above the no-graph
+mode's; bcg: its pool), and how many requests' tokens equal the no-graph mode's. Writes JSON and a PNG.
 
 Run: ``python benchmarks/transformers_cb.py [--requests 64 --new-tokens 128 --layers 16 ...]``
-(``--small`` shrinks everything for a quick check). Without a GPU it runs the no-graph and\nbcg (eager mode) modes only: a check of the script, not a measurement.
+(``--small`` shrinks everything for a quick check). Without a GPU it runs the no-graph and
+bcg (eager mode) modes only: a check of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -111,37 +114,49 @@ def run_once(model: Any, prompts: list[list[int]], args: argparse.Namespace, gra
                                persistent_manager=True)
     sync()
     seconds = time.perf_counter() - t0
-    ttft = sorted(o.timestamps[0] - o.created_time for o in out.values() if o.timestamps)
     tokens = {rid: list(o.generated_tokens) for rid, o in out.items()}
     return {"seconds": seconds, "tokens_per_s": sum(map(len, tokens.values())) / seconds,
-            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "tokens": tokens}
+            "ttft_s": [o.timestamps[0] - o.created_time for o in out.values() if o.timestamps], "tokens": tokens}
 
 
-def run_mode(mode: str, model: Any, prompts: list[list[int]], args: argparse.Namespace,
-             no_graph_reserved: int | None) -> dict[str, Any]:
-    logging.getLogger("bcg").info("mode %s", mode)
-    timer = CaptureTimer() if mode == "transformers-graphs" else None
-    handle = bcg_transformers.enable(model, staged=not args.plain) if mode == "bcg" else None
-    try:
-        first = run_once(model, prompts, args, graphs=mode == "transformers-graphs")
-        timed = [run_once(model, prompts, args, graphs=mode == "transformers-graphs") for _ in range(args.runs)]
-        reserved_bytes = reserved()
-        best = max(timed, key=lambda r: r["tokens_per_s"])
+class Mode:
+    """One mode's model (its own instance, the same seeded weights), its persistent CB manager
+    (kept between its runs, with its graphs), and its runs."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+        self.name = name
+        self.graphs = name == "transformers-graphs"
+        self.model = build_model(args, device, dtype)
+        self.handle = bcg_transformers.enable(self.model, staged=not args.plain) if name == "bcg" else None
+        self.first: dict[str, Any] = {}
+        self.timed: list[dict[str, Any]] = []
+        self.grew_bytes = 0  # reserved memory its first run added (its cache and, with graphs, theirs)
+
+    def run(self, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+        logging.getLogger("bcg").info("mode %s", self.name)
+        return run_once(self.model, prompts, args, graphs=self.graphs)
+
+    def close(self) -> None:
+        self.model.destroy_cached_continuous_batching_manager()
+        if self.handle is not None:
+            self.handle.disable()
+
+    def result(self, timer: CaptureTimer) -> dict[str, Any]:
+        ttft = sorted(t for r in self.timed for t in r["ttft_s"])
         result: dict[str, Any] = {
-            "first_run_s": first["seconds"],
-            "tokens_per_s": [r["tokens_per_s"] for r in timed],
-            "ttft_p50_s": best["ttft_p50_s"], "ttft_p99_s": best["ttft_p99_s"],
-            "reserved_bytes": reserved_bytes,
-            "reserved_over_no_graphs_bytes": None if no_graph_reserved is None else reserved_bytes - no_graph_reserved,
-            "tokens": best["tokens"],
+            "first_run_s": self.first["seconds"],
+            "tokens_per_s": [r["tokens_per_s"] for r in self.timed],
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "first_run_grew_bytes": self.grew_bytes,
+            "tokens": self.timed[-1]["tokens"],
+            "tokens_stable": all(r["tokens"] == self.first["tokens"] for r in self.timed),
         }
-        if timer is not None:
+        if self.graphs:
             result.update(graphs_captured=timer.count, capture_s=timer.seconds)
-        elif handle is not None:
-            stats = handle.stats()
+        elif self.handle is not None:
+            stats = self.handle.stats()
             result.update(graphs_captured=len(stats["captured_buckets"]), capture_s=stats["capture_total_s"],
-                          forms_captured=sum(len(handle.runner.graph(b).forms) for b in stats["captured_buckets"])
+                          forms_captured=sum(len(self.handle.runner.graph(b).forms) for b in stats["captured_buckets"])
                           if stats["mode"] == "graph" else 0,
                           pool_bytes=stats["pool_bytes"], fallbacks=stats["fallbacks"],
                           inline_replays=stats["inline_replays"], staged_fallbacks=stats["staged_fallbacks"],
@@ -149,12 +164,44 @@ def run_mode(mode: str, model: Any, prompts: list[list[int]], args: argparse.Nam
         else:
             result.update(graphs_captured=0, capture_s=0.0)
         return result
+
+
+def run_modes(names: list[str], prompts: list[list[int]], args: argparse.Namespace, device: torch.device,
+              dtype: torch.dtype) -> dict[str, Any]:
+    """Every mode's first run (which captures), then ``args.runs`` rounds of one timed run per
+    mode, the order rotated each round; the paired ratio of each round is bcg's tokens/s over the
+    faster transformers mode's in that round."""
+    timer = CaptureTimer()
+    modes = [Mode(name, args, device, dtype) for name in names]
+    try:
+        for mode in modes:
+            before = reserved()
+            mode.first = mode.run(prompts, args)
+            mode.grew_bytes = reserved() - before
+        for k in range(args.runs):
+            for mode in modes[k % len(modes):] + modes[: k % len(modes)]:
+                mode.timed.append(mode.run(prompts, args))
+        results = {mode.name: mode.result(timer) for mode in modes}
     finally:
-        model.destroy_cached_continuous_batching_manager()
-        if handle is not None:
-            handle.disable()
-        if timer is not None:
-            timer.close()
+        for mode in modes:
+            mode.close()
+        timer.close()
+    by_name = {mode.name: mode for mode in modes}
+    base = [n for n in ("transformers", "transformers-graphs") if n in by_name]
+    if "bcg" in by_name and base:
+        results["bcg"]["ratio_to_fastest_transformers"] = [
+            by_name["bcg"].timed[k]["tokens_per_s"] / max(by_name[n].timed[k]["tokens_per_s"] for n in base)
+            for k in range(args.runs)]
+    if "transformers" in results and "transformers-graphs" in results:
+        results["transformers-graphs"]["graph_memory_bytes"] = (
+            results["transformers-graphs"]["first_run_grew_bytes"] - results["transformers"]["first_run_grew_bytes"])
+    return results
+
+
+def _mib(r: dict[str, Any]) -> str:
+    """The memory graphs take, as the report gives it (MiB), for the summary line."""
+    taken = r.get("pool_bytes", r.get("graph_memory_bytes"))
+    return "-" if taken is None else f"{taken / 2**20:.0f} MiB"
 
 
 def draw(report: dict[str, Any], path: Path) -> None:
@@ -164,7 +211,7 @@ def draw(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(report["modes"])
-    figures = [("generated tokens/s", [max(report["modes"][m]["tokens_per_s"]) for m in modes]),
+    figures = [("generated tokens/s (median)", [statistics.median(report["modes"][m]["tokens_per_s"]) for m in modes]),
                ("TTFT p50 (s)", [report["modes"][m]["ttft_p50_s"] for m in modes]),
                ("graphs captured", [report["modes"][m]["graphs_captured"] for m in modes]),
                ("seconds capturing", [report["modes"][m]["capture_s"] for m in modes])]
@@ -193,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--attention", default="paged|sdpa", choices=bcg_transformers.BASES)
-    p.add_argument("--runs", type=int, default=2, help="timed runs per mode, after the first (default 2)")
+    p.add_argument("--runs", type=int, default=3, help="rounds of timed runs, one per mode each, after the first runs (default 3)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--plain", action="store_true", help="bcg: attention as a plain breakpoint (not staged)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -210,15 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import transformers
 
-    model = build_model(args, device, getattr(torch, args.dtype))
     prompts = seeded_prompts(args)
     modes = [m for m in args.modes.split(",") if m]
-    results: dict[str, Any] = {}
-    no_graph_reserved = None
-    for mode in modes:
-        results[mode] = run_mode(mode, model, prompts, args, no_graph_reserved)
-        if mode == "transformers":
-            no_graph_reserved = results[mode]["reserved_bytes"]
+    results = run_modes(modes, prompts, args, device, getattr(torch, args.dtype))
     reference = results.get("transformers", {}).get("tokens")
     for mode, r in results.items():
         tokens = r.pop("tokens")
@@ -238,9 +279,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     draw(report, out.with_suffix(".png"))
     for mode, r in results.items():
-        print(f"{mode:>20}: {max(r['tokens_per_s']):8.0f} tok/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
+        ratio = r.get("ratio_to_fastest_transformers")
+        print(f"{mode:>20}: {statistics.median(r['tokens_per_s']):8.0f} tok/s (median of {len(r['tokens_per_s'])})"
+              f"{f'  x{statistics.median(ratio):.3f} paired' if ratio else ''}  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
               f"p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  graphs {r['graphs_captured']:4d} in {r['capture_s']:6.2f} s  "
-              f"equal {r['requests_equal_to_transformers']}/{args.requests}")
+              f"equal {r['requests_equal_to_transformers']}/{args.requests}  memory {_mib(r)}")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return report
 
