@@ -16,7 +16,7 @@ from bcg.bench.workloads import llama
 pytestmark = pytest.mark.cuda
 
 TINY = ["--shape", "tiny", "--iters", "3", "--warmup", "1", "--no-progress"]
-STAGED = {"bcg-staged", "bcg-staged-compile"}  # flash and varlen only
+STAGED = {"bcg-staged", "bcg-staged-pycall", "bcg-staged-compile"}  # flash and varlen only
 KEYED = {"bcg-specialized", "bcg-specialized-zipf", "bcg-specialized-never", "bcg-never"}  # unfused only
 # the whole forward compiled: a compile per mode and point, so a test of their own (one point per attention)
 FULL = {"floor-fullcompile", "floor-fullcompile-again", "bcg-fullcompile", "bcg-staged-fullcompile",
