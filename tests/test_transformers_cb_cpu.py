@@ -91,6 +91,20 @@ def test_enable_refuses_what_it_cannot_run() -> None:
         bcg_transformers.enable(model, mode="fast")
 
 
+def test_defaults_without_flash_keep_the_masked_staged_attention() -> None:
+    model = tiny_llama(0, vocab=VOCAB)  # fp32 on the CPU: no flash
+    graphs = bcg_transformers.enable(model)
+    assert graphs.flash is False
+    assert graphs.staged_max_tokens == bcg_transformers.DEFAULT_STAGED_MAX_TOKENS
+    assert graphs.attention.kv_bounds == bcg_transformers.DEFAULT_KV_BOUNDS
+    graphs.disable()
+    graphs = bcg_transformers.enable(model, staged_max_tokens=64, kv_bounds=(128,))
+    assert graphs.staged_max_tokens == 64 and graphs.attention.kv_bounds == (128,)
+    graphs.disable()
+    with pytest.raises(ValueError, match="staged_max_tokens"):
+        bcg_transformers.enable(model, staged_max_tokens=-1)
+
+
 def test_paged_eager_attention_equals_transformers() -> None:
     seed = _seed()
     model = tiny_llama(seed, vocab=VOCAB)

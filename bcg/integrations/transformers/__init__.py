@@ -13,16 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bcg.integrations.transformers.graphs import BASES, ContinuousBatchingGraphs
+from bcg.integrations.transformers.graphs import (
+    BASES,
+    DEFAULT_KV_BOUNDS,
+    DEFAULT_STAGED_MAX_TOKENS,
+    FLASH_KV_BOUNDS,
+    ContinuousBatchingGraphs,
+)
 
-#: KV bounds of the staged forms (keys read per step, all requests packed), smallest first.
-DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
-
-__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "ContinuousBatchingGraphs", "enable"]
+__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_KV_BOUNDS", "ContinuousBatchingGraphs",
+           "enable"]
 
 
 def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = True,
-           kv_bounds: Sequence[int] = DEFAULT_KV_BOUNDS, staged_max_tokens: int = 512,
+           kv_bounds: Sequence[int] | None = None, staged_max_tokens: int | None = None,
            mode: str | None = None) -> ContinuousBatchingGraphs:
     """Run ``model``'s continuous-batching forward through a bcg :class:`bcg.GraphRunner`.
 
@@ -35,9 +39,14 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
         staged: run the attention inline in the graph where a step fits (default); ``False``:
             a plain breakpoint, run eagerly at every replay.
         kv_bounds: ascending bounds on the keys one step reads (all its requests' context
-            packed): one staged form per bound and bucket; a step above the last runs the
-            attention as a plain breakpoint.
+            packed): one staged form per bound and bucket (bounds below the bucket's tokens
+            skipped, bounds above the cache's capacity cut to it); a step above the last runs the
+            attention as a plain breakpoint. Default: ``FLASH_KV_BOUNDS`` where the staged
+            attention runs flash (the model in half precision on a CUDA device of sm80 or newer),
+            else ``DEFAULT_KV_BOUNDS``.
         staged_max_tokens: buckets above it run the attention as a plain breakpoint only.
+            Default: every bucket staged where the staged attention runs flash (it builds no
+            mask), else ``DEFAULT_STAGED_MAX_TOKENS``.
         mode: ``"graph"`` or ``"eager"`` (default: graphs on CUDA, eager on the CPU).
 
     Returns the handle: ``.stats()``, ``.release()`` (free the graphs), ``.disable()``.
@@ -48,8 +57,12 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     """
     if mode not in (None, "graph", "eager"):
         raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")
-    bounds = tuple(kv_bounds)
-    if not bounds or any(not isinstance(b, int) or b <= 0 for b in bounds) or list(bounds) != sorted(set(bounds)):
+    if staged_max_tokens is not None and (not isinstance(staged_max_tokens, int) or staged_max_tokens < 0):
+        raise ValueError("bcg.integrations.transformers.enable: staged_max_tokens must be None or an int >= 0, "
+                         f"not {staged_max_tokens!r}")
+    bounds = tuple(kv_bounds) if kv_bounds is not None else None
+    if bounds is not None and (not bounds or any(not isinstance(b, int) or b <= 0 for b in bounds)
+                               or list(bounds) != sorted(set(bounds))):
         raise ValueError(f"bcg.integrations.transformers.enable: kv_bounds must be ascending positive ints, not {kv_bounds!r}")
     return ContinuousBatchingGraphs(model, buckets=buckets, staged=staged, kv_bounds=bounds,
                                     staged_max_tokens=staged_max_tokens, mode=mode)

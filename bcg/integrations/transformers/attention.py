@@ -10,8 +10,11 @@ paged cache, reads the keys back, attends):
   indices and mask, exactly as transformers runs it; padded rows get zeros and never reach the cache;
 * staged, inline in the graph (``bcg.live()`` is a :class:`Staged`): on every row of the bucket,
   with the static indices of :class:`StaticIndices` (padded rows write to the write-trash slot,
-  padded keys read the zeroed read-trash slot) and a mask built on the device from the staged
-  cumulative lengths (padded keys and rows masked out);
+  padded keys read the zeroed read-trash slot). In half precision on CUDA (:func:`flash_usable`)
+  :func:`flash_staged_attention` writes and gathers through the cache and runs ATen's varlen
+  flash kernel over the staged cumulative lengths, so its work follows the step's real keys;
+  otherwise transformers' function runs with a dense mask built on the device over the KV bound
+  (padded keys and rows masked out);
 * during a capture of the breakable form (a :class:`CaptureMeta`): zeros, nothing written.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +30,61 @@ import torch
 
 import bcg
 from bcg.integrations.transformers.metadata import CaptureMeta, Staged, StaticIndices, StepMeta, block_causal_mask
+
+# ATen's varlen flash forward (the kernel behind SDPA's flash backend): varlen with cumulative
+# lengths and native GQA, which the public F.scaled_dot_product_attention does not take.
+_FLASH = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_device(device: torch.device) -> bool:
+    # FlashAttention-2 needs sm80 or newer
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the staged attention runs ATen's flash kernel here: CUDA (sm80+), half precision,
+    a head dimension flash takes.
+
+    Arguments:
+        device, dtype: the queries' device and dtype.
+        head_dim: the attention head dimension.
+    """
+    return (_FLASH is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256 and _flash_device(device))
+
+
+def flash_staged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           staged: Staged, out: torch.Tensor) -> None:
+    """The staged attention with flash: every shape static, the work following the staged lengths.
+
+    Arguments:
+        module: the attention layer (``layer_idx``, ``scaling``).
+        query: ``[1, heads, rows, D]``; ``key``/``value``: ``[1, kv_heads, rows, D]`` (the new K/V).
+        staged: the static indices (write slots, read slots, cumulative lengths).
+        out: ``[1, rows, heads, D]``, written: each request's attention, zeros past the step's rows.
+
+    The new K/V go into the paged cache with transformers' own ``PagedAttentionCache.update`` (as
+    its ``paged|sdpa`` does: padded rows to the write trash), which returns the ``[kv_bound]``
+    keys of the read slots gathered (padded keys: the read trash). Flash then attends each request
+    over its own keys (``cu_k``), causal aligned bottom-right, which is transformers' CB mask: query
+    ``a`` sees key ``b`` when ``b <= a + past``.
+    """
+    assert _FLASH is not None
+    rows = query.shape[2]
+    keys, values = staged.cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                       read_index=[staged.read], write_index=[staged.write[:rows]])
+    # A step has at most one request per row: the first rows + 1 cumulative lengths hold every
+    # request (the rest are padded, empty), which keeps flash's grid to the bucket, not the cache.
+    cu_q, cu_k = staged.cu_q[: rows + 1], staged.cu_k[: rows + 1]
+    q = query[0].transpose(0, 1).contiguous()
+    # max_q is at least 2: at 1 with grouped KV heads the kernel takes a decode path that reads q
+    # as one row per request and ignores cu_seq_q (padded rows are not requests)
+    o = _FLASH(q, keys, values, cu_q, cu_k, max(rows, 2), staged.kv_bound, 0.0, True, False,
+               scale=module.scaling)[0]
+    # flash leaves rows no request covers unwritten (garbage, maybe NaN): zero them, statically shaped
+    padded = torch.arange(rows, device=o.device) >= cu_q[-1]
+    out[0].copy_(o.masked_fill_(padded.view(rows, 1, 1), 0))
 
 
 class PagedAttention:
@@ -40,12 +99,15 @@ class PagedAttention:
     def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...]) -> None:
         self.base = base
         self.kv_bounds = kv_bounds
+        #: whether the staged attention may use flash (where :func:`flash_usable` holds for the step)
+        self.flash = True
         self.indices: StaticIndices | None = None  # the current CB session's buffers (staged)
         self.modules: dict[int, torch.nn.Module] = {}
         self._mask: torch.Tensor | None = None  # built by the first layer of a staged forward
         self._mask_layer: int | None = None
-        #: Python runs of the breakpoint by way ("staged", "plain", "inert"): every step in eager
-        #: mode; in graph mode only warm-ups, captures and replays of the breakable form.
+        #: Python runs of the breakpoint by way ("staged", "plain", "inert"; "flash": the staged runs
+        #: that used flash): every step in eager mode; in graph mode only warm-ups, captures and
+        #: replays of the breakable form.
         self.runs: collections.Counter[str] = collections.Counter()
         kwargs: dict[str, Any] = {"name": "transformers_paged_attention", "mutates": ("out",)}
         if staged:
@@ -93,6 +155,10 @@ class PagedAttention:
         rows = query.shape[2]
         if isinstance(live, Staged):
             self.runs["staged"] += 1
+            if self.flash and flash_usable(query.device, query.dtype, query.shape[-1]):
+                self.runs["flash"] += 1
+                flash_staged_attention(module, query, key, value, live, out)
+                return
             if self._mask is None or self._mask_layer == layer:  # the first layer of this forward
                 self._mask = block_causal_mask(live.cu_q, live.cu_k, rows, live.kv_bound, query.dtype)
                 self._mask_layer = layer

@@ -23,13 +23,23 @@ from typing import Any
 import torch
 
 import bcg
-from bcg.integrations.transformers.attention import PagedAttention
+from bcg.integrations.transformers.attention import PagedAttention, flash_usable
 from bcg.integrations.transformers.metadata import CaptureMeta, StaticIndices, StepMeta
 
 log = logging.getLogger("bcg")
 
 #: The attention implementations whose paged function the integration calls.
 BASES = ("paged|sdpa", "paged|eager")
+
+#: KV bounds of the staged forms (keys read per step, all requests packed), smallest first, where
+#: the staged attention runs transformers' function with a dense mask (its work follows the bound).
+DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
+#: The same where it runs flash (half precision on CUDA): only the K/V gather follows the bound,
+#: so fewer tiers (fewer graphs to capture).
+FLASH_KV_BOUNDS = (8192, 65536)
+#: Buckets above it run the attention as a plain breakpoint, where it runs with a dense mask
+#: (whose size follows the bucket's rows times the bound).
+DEFAULT_STAGED_MAX_TOKENS = 512
 
 
 class ContinuousBatchingGraphs:
@@ -38,8 +48,8 @@ class ContinuousBatchingGraphs:
     Built by :func:`bcg.integrations.transformers.enable` (its arguments are documented there).
     """
 
-    def __init__(self, model: Any, *, buckets: Sequence[int] | None, staged: bool, kv_bounds: Sequence[int],
-                 staged_max_tokens: int, mode: str | None) -> None:
+    def __init__(self, model: Any, *, buckets: Sequence[int] | None, staged: bool, kv_bounds: Sequence[int] | None,
+                 staged_max_tokens: int | None, mode: str | None) -> None:
         import transformers
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -47,13 +57,19 @@ class ContinuousBatchingGraphs:
         self._output = CausalLMOutputWithPast
         self._buckets = list(buckets) if buckets is not None else None
         self.staged = staged
-        self.staged_max_tokens = staged_max_tokens
         self._mode = mode
         self.base_name = _attention_name(model)
         if self.base_name not in BASES:
             raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {self.base_name!r}; "
                              f"set one of {BASES} (model.set_attn_implementation('paged|sdpa'))")
-        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, tuple(kv_bounds))
+        #: whether the staged attention runs flash on this model (checked again at every staged run)
+        self.flash = _flash_model(model)
+        if staged_max_tokens is None:  # flash builds no mask: every bucket can run staged
+            staged_max_tokens = 2**62 if self.flash else DEFAULT_STAGED_MAX_TOKENS
+        self.staged_max_tokens = staged_max_tokens
+        bounds = tuple(kv_bounds) if kv_bounds is not None else FLASH_KV_BOUNDS if self.flash else DEFAULT_KV_BOUNDS
+        self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
+        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds)
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
         self.runner: bcg.GraphRunner | None = None
@@ -120,7 +136,13 @@ class ContinuousBatchingGraphs:
         buckets = self._buckets or bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
         if buckets[-1] < max_tokens and self._buckets is None:
             buckets = [*buckets, max_tokens]
-        bounds = [b for b in self.attention.kv_bounds if b <= cache.num_pages + max_tokens]
+        # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
+        # above that is cut to it, so the last tier holds every step
+        capacity = cache.num_pages + max_tokens
+        bounds = sorted({min(b, capacity) for b in self._kv_bounds})
+        # a bound cut to the capacity barely above the one before: one tier (one form per bucket) less
+        if self._kv_bounds[-1] > capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
+            del bounds[-2]
         if self.staged and bounds:
             self.attention.kv_bounds = tuple(bounds)
             self.attention.indices = StaticIndices(cache, bounds[-1])
@@ -139,7 +161,10 @@ class ContinuousBatchingGraphs:
         """What bucket ``tokens``' warm-ups and captures run with: staged tiers, one per KV bound."""
         if self.attention.indices is None or tokens > self.staged_max_tokens:
             return CaptureMeta(None)
-        return bcg.StagedTiers(*(CaptureMeta(b) for b in self.attention.kv_bounds))
+        # a step of this bucket reads at least its tokens (more than the previous bucket's): a bound
+        # below the bucket would rarely hold one, so it gets no form (the last bound always does)
+        *lower, last = self.attention.kv_bounds
+        return bcg.StagedTiers(*(CaptureMeta(b) for b in (*lower, last) if b >= tokens or b == last))
 
     def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """What the runner captures: the decoder, its attention routed to the breakpoint."""
@@ -179,6 +204,15 @@ class ContinuousBatchingGraphs:
         self.release()
         if self.model.forward == self._forward:
             del self.model.forward
+
+
+def _flash_model(model: Any) -> bool:
+    """Whether the staged attention runs flash on ``model`` as it is now (its parameters' device and
+    dtype, its head dimension)."""
+    param = next(model.parameters())
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return flash_usable(param.device, param.dtype, head_dim)
 
 
 def _attention_name(model: Any) -> str:
