@@ -12,7 +12,8 @@ of one timed run per mode, alternated (the order rotated each round):
 Reports per mode: generated tokens/s per run (and bcg's paired to the faster transformers mode,
 round by round), time to first token p50/p99 over the timed runs, graphs captured and seconds
 capturing, the memory graphs take (transformers': what its first run added above the no-graph
-mode's; bcg: its pool), and how many requests' tokens equal the no-graph mode's. Writes JSON and a PNG.
+mode's; bcg: its pool), and how many requests' tokens equal the no-graph mode's, each that differs
+traced to where it first differs and how near a tie that is in fp32. Writes JSON and a PNG.
 
 Run: ``python benchmarks/transformers_cb.py [--requests 64 --new-tokens 128 --layers 16 ...]``
 (``--small`` shrinks everything for a quick check). Without a GPU it runs the no-graph and
@@ -25,6 +26,7 @@ import argparse
 import datetime
 import json
 import logging
+import operator
 import statistics
 import subprocess
 import time
@@ -114,8 +116,10 @@ def run_once(model: Any, prompts: list[list[int]], args: argparse.Namespace, gra
                                persistent_manager=True)
     sync()
     seconds = time.perf_counter() - t0
-    tokens = {rid: list(o.generated_tokens) for rid, o in out.items()}
-    return {"seconds": seconds, "tokens_per_s": sum(map(len, tokens.values())) / seconds,
+    # by prompt: a persistent manager numbers its requests on from one run to the next
+    ordered = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[1]))
+    tokens = [list(o.generated_tokens) for o in ordered]
+    return {"seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
             "ttft_s": [o.timestamps[0] - o.created_time for o in out.values() if o.timestamps], "tokens": tokens}
 
 
@@ -149,7 +153,10 @@ class Mode:
             "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "first_run_grew_bytes": self.grew_bytes,
             "tokens": self.timed[-1]["tokens"],
-            "tokens_stable": all(r["tokens"] == self.first["tokens"] for r in self.timed),
+            # requests whose tokens equal this mode's first run's, in each timed run (half
+            # precision: another batching of the same requests may flip a near-tie)
+            "requests_equal_to_first_run": [sum(map(operator.eq, r["tokens"], self.first["tokens"]))
+                                            for r in self.timed],
         }
         if self.graphs:
             result.update(graphs_captured=timer.count, capture_s=timer.seconds)
@@ -196,6 +203,24 @@ def run_modes(names: list[str], prompts: list[list[int]], args: argparse.Namespa
         results["transformers-graphs"]["graph_memory_bytes"] = (
             results["transformers-graphs"]["first_run_grew_bytes"] - results["transformers"]["first_run_grew_bytes"])
     return results
+
+
+def trace_differences(tokens: list[list[int]], reference: list[list[int]], prompts: list[list[int]],
+                      args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Each request whose tokens differ from ``reference``: where, and whether it is a near-tie
+    (``bcg.integrations.transformers.divergence`` against an fp32 copy of the weights)."""
+    differing = [k for k, (a, b) in enumerate(zip(tokens, reference)) if a != b]
+    if not differing or args.dtype == "float32":
+        return []
+    half = build_model(args, device, getattr(torch, args.dtype))
+    exact = build_model(args, device, torch.float32)
+    for m in (half, exact):
+        m.set_attn_implementation("sdpa")
+    traces = []
+    for k in differing:
+        i, gap, noise = bcg_transformers.divergence(exact, half, prompts[k], reference[k], tokens[k])
+        traces.append({"request": k, "first_differs_at": i, "fp32_gap": gap, "half_noise": noise})
+    return traces
 
 
 def _mib(r: dict[str, Any]) -> str:
@@ -263,9 +288,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference = results.get("transformers", {}).get("tokens")
     for mode, r in results.items():
         tokens = r.pop("tokens")
-        r["requests_equal_to_transformers"] = None if reference is None else sum(
-            tokens[k] == reference[k] for k in reference)
-        r["requests_differing"] = None if reference is None else [k for k in reference if tokens[k] != reference[k]]
+        r["requests_equal_to_transformers"] = None if reference is None else sum(map(operator.eq, tokens, reference))
+        if reference is not None and mode != "transformers":
+            r["differences"] = trace_differences(tokens, reference, prompts, args, device)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
@@ -284,6 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{f'  x{statistics.median(ratio):.3f} paired' if ratio else ''}  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
               f"p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  graphs {r['graphs_captured']:4d} in {r['capture_s']:6.2f} s  "
               f"equal {r['requests_equal_to_transformers']}/{args.requests}  memory {_mib(r)}")
+    for mode, r in results.items():
+        for t in r.get("differences", []):
+            print(f"{mode} {t['request']}: first differs at token {t['first_differs_at']}, fp32 gap "
+                  f"{t['fp32_gap']:.4f} ({t['fp32_gap'] / t['half_noise']:.2f} x the {args.dtype} noise {t['half_noise']:.4f})")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return report
 

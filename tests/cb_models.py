@@ -40,3 +40,4 @@ def generate(model: Any, requests: list[list[int]], new_tokens: int, **cb: Any) 
     out = model.generate_batch(requests, generation_config=config,
                                continuous_batching_config=ContinuousBatchingConfig(**cb))
     return {rid: list(o.generated_tokens) for rid, o in out.items()}
+

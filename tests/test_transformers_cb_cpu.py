@@ -125,3 +125,26 @@ def test_the_example_runs_and_its_tokens_are_equal() -> None:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     assert example.main(["--requests", "8", "--new-tokens", "4", "--seed", str(_seed())]) is True
+
+
+def test_divergence_tells_a_near_tie_from_a_wrong_token() -> None:
+    from bcg.integrations.transformers import divergence
+
+    seed = random.randrange(2**31)
+    shape = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256, "vocab": 1024}
+    reference = tiny_llama(seed, **shape)
+    half = tiny_llama(seed, dtype=torch.bfloat16, **shape)
+    for m in (reference, half):
+        m.set_attn_implementation("sdpa")
+    prompt = prompts(seed, 1, 8, 40, shape["vocab"])[0]
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + [5]])).logits[0, -1]
+    ranked = logits.argsort(descending=True).tolist()
+    best, second, worst = ranked[0], ranked[1], ranked[-1]
+    i, gap, noise = divergence(reference, half, prompt, [5, best], [5, second])
+    assert i == 1 and noise > 0
+    assert gap == pytest.approx((logits[best] - logits[second]).item(), abs=1e-5)
+    i, gap, noise = divergence(reference, half, prompt, [5, best, 1], [5, worst, 1])
+    assert i == 1 and gap > 4 * noise
+    with pytest.raises(ValueError, match="agree"):
+        divergence(reference, half, prompt, [5, best], [5, best])

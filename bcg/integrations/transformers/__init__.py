@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from bcg.integrations.transformers.divergence import divergence
 from bcg.integrations.transformers.graphs import (
     BASES,
     DEFAULT_KV_BOUNDS,
@@ -22,7 +23,7 @@ from bcg.integrations.transformers.graphs import (
 )
 
 __all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_KV_BOUNDS", "ContinuousBatchingGraphs",
-           "enable"]
+           "divergence", "enable"]
 
 
 def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = True,
