@@ -79,6 +79,11 @@ class ReplayError(BcgError):
     """A replay was refused before any work was launched, or a breakpoint broke its contract."""
 
 
+class NoFormFitsError(ReplayError):
+    """A replay's live metadata fits none of the graph's staged forms, and it has no breakable form
+    (a :class:`bcg.GraphRunner` call runs eagerly instead: fallback ``"staged_unfit"``)."""
+
+
 class GuardError(ReplayError):
     """A tensor the graph captured no longer has its captured address or layout (``Debug(guards=True)``)."""
 

@@ -28,7 +28,7 @@ from bcg.core.process import release_when_safe
 from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
 from bcg.core.storages import check_suspects
 from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
-from bcg.errors import ReplayError
+from bcg.errors import NoFormFitsError, ReplayError
 from bcg.keyed.variants import VariantCache, VariantPolicy
 
 _current_device, _current_stream = stream_readers()
@@ -309,7 +309,7 @@ class BreakableGraph:
         staged breakpoints all fit it, else the first without staged breakpoints.
 
         Raises:
-            ReplayError: nothing fits and the graph has no breakable form.
+            NoFormFitsError: nothing fits and the graph has no breakable form.
         """
         return self._choice(live)[0]
 
@@ -330,7 +330,7 @@ class BreakableGraph:
 
     @staticmethod
     def _nothing_fits(reason: str | None) -> ReplayError:
-        return ReplayError(
+        return NoFormFitsError(
             f"this replay's live metadata does not fit the graph's staged breakpoints ({reason}) and "
             "the graph has no breakable form: use bcg.make_graph or bcg.GraphRunner, which capture one"
         )

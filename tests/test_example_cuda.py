@@ -48,7 +48,7 @@ def test_hf_llama_example_is_bit_identical_and_timed() -> None:
     assert r["segments"] == 3 and r["breakpoints"] == 2
     assert r["runner_equal"] is True
     assert r["runner_bucket"] != r["runner_tokens"]  # the call really was padded
-    assert r["runner_fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0}
+    assert r["runner_fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0, "staged_unfit": 0}
     for key in ("eager_ms", "bcg_ms", "speedup", "runner_eager_ms", "runner_ms", "runner_speedup"):
         assert r[key] > 0, key
     torch.cuda.synchronize()

@@ -132,7 +132,7 @@ def test_eager_runner_matches_forward_for_every_bucket(returning: bool) -> None:
             torch.testing.assert_close(y, unpadded, rtol=1e-5, atol=1e-5)
             assert torch.equal(y, padded)  # the same ops on the same shapes
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0}
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0, "staged_unfit": 0}
     assert sum(stats["replays"].values()) == stats["calls"] == stats["graph_calls"]
     assert all(stats["replays"][b] > 0 for b in buckets)
 
@@ -809,7 +809,7 @@ def test_fallback_reasons_are_counted_and_run_forward_eagerly(caplog: pytest.Log
     check(1)  # bucket 4, 3/4 padding > 0.5: eager
     assert calls == [1]
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3, "not_captured_yet": 0, "capture_busy": 0}
+    assert stats["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 3, "not_captured_yet": 0, "capture_busy": 0, "staged_unfit": 0}
     assert stats["replays"] == {4: 1, 16: 0, 32: 1}
     assert stats["calls"] == 7 and stats["graph_calls"] == 2
     assert set(stats["capture_s"]) == {4, 16, 32}

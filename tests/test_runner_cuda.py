@@ -88,7 +88,7 @@ def test_every_bucket_is_bit_identical_to_eager_on_the_padded_input(returning: b
             )  # unpadded: equal up to GEMM rounding (kernels change with M)
             checked += 1
     stats = runner.stats()
-    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0}
+    assert stats["fallbacks"] == {"too_large": 0, "padding_waste": 0, "capture_failed": 0, "not_captured_yet": 0, "capture_busy": 0, "staged_unfit": 0}
     assert all(stats["replays"][b] >= 3 for b in buckets)
     assert stats["graph_calls"] == checked
     assert runner.graph(16).stats().breakpoints == 2
@@ -621,7 +621,7 @@ def test_each_fallback_reason_triggers_and_is_counted(caplog: pytest.LogCaptureF
             assert after[reason] == before[reason] + 1
             with bcg.live_scope(live), torch.no_grad():
                 assert torch.equal(y, forward(x, pos))  # forward on the real inputs
-    assert runner.stats()["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 2, "not_captured_yet": 0, "capture_busy": 0}
+    assert runner.stats()["fallbacks"] == {"too_large": 1, "padding_waste": 1, "capture_failed": 2, "not_captured_yet": 0, "capture_busy": 0, "staged_unfit": 0}
 
 
 def test_guards_name_the_input_before_any_side_effect() -> None:

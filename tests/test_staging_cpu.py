@@ -132,8 +132,12 @@ def test_staged_tiers_hold_their_values_and_copy_as_such() -> None:
 
     tiers = bcg.StagedTiers((1,), (2, 2), (4, 4))
     assert tuple(tiers) == ((1,), (2, 2), (4, 4))
+    assert tiers.breakable
     for other in (copy.copy(tiers), copy.deepcopy(tiers), pickle.loads(pickle.dumps(tiers))):
-        assert isinstance(other, bcg.StagedTiers) and tuple(other) == tuple(tiers)
+        assert isinstance(other, bcg.StagedTiers) and tuple(other) == tuple(tiers) and other.breakable
+    lean = bcg.StagedTiers((1,), (4, 4), breakable=False)
+    for other in (copy.copy(lean), copy.deepcopy(lean), pickle.loads(pickle.dumps(lean))):
+        assert tuple(other) == ((1,), (4, 4)) and other.breakable is False
     with pytest.raises(ValueError, match="at least one"):
         bcg.StagedTiers()
 

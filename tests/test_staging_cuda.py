@@ -268,6 +268,42 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
     assert not any(g.is_captured for g in graphs)  # freed with the runner
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_without_a_breakable_form_a_call_that_fits_no_form_runs_eagerly(monkeypatch: pytest.MonkeyPatch,
+                                                                        native: str) -> None:
+    """StagedTiers(breakable=False): each bucket holds its tier and inline form only; a call with
+    more requests than any form holds runs forward eagerly (fallback "staged_unfit", nothing
+    launched, no prepare), equal to eager; the calls that fit still replay inline."""
+    monkeypatch.setenv("BCG_NATIVE", native)
+    staging = TieredStaging()
+    block = Block(_make_attention(staging), layers=2)
+    buckets = [32, 128]
+
+    def tiers(n: int) -> bcg.StagedTiers:
+        return bcg.StagedTiers(Meta(_lengths(random.Random(n), n, 1), slots=1), _capture_meta(n), breakable=False)
+
+    runner = _runner(block, buckets, live=tiers)
+    for n in buckets:
+        assert [f.name for f in runner.graph(n).forms] == ["tier 0", "inline"]
+    rng = random.Random(5)
+    unfit = 0
+    for i in range(30):
+        n = buckets[i % 2]
+        requests = [1, 3, 5][i % 3]  # 5 > SLOTS: no form holds it
+        T = rng.randint(max(requests, n // 2), n)
+        meta = Meta(_lengths(rng, T, requests))
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        prepared = staging.calls
+        y = runner(x, live=meta)
+        assert torch.equal(y, _eager(block, x, meta)), f"call {i}: T={T}, lengths={meta.lengths}"
+        assert staging.calls - prepared == int(requests <= SLOTS)
+        unfit += requests > SLOTS
+    stats = runner.stats()
+    assert stats["fallbacks"]["staged_unfit"] == unfit == 10
+    assert stats["inline_replays"] == 20 and stats["tier_replays"] > 0 and stats["staged_fallbacks"] == {}
+    runner.reset()
+
+
 def test_padded_rows_carry_no_nan_under_poison(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BCG_POISON", "1")
     staging = Staging()

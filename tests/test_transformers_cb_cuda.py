@@ -63,6 +63,10 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     runs = graphs.attention.runs
     print({k: stats[k] for k in ("captured_buckets", "capture_total_s", "fallbacks", "inline_replays",
                                  "staged_fallbacks", "steps")}, dict(runs))
+    # the last KV bound is the cache's capacity: every step staged, no bucket has a breakable form
+    forms = {n: [f.name for f in graphs.runner.graph(n).forms] for n in stats["captured_buckets"]}
+    assert forms and all("breakable" not in names and "inline" in names for names in forms.values()), forms
+    assert stats["fallbacks"]["staged_unfit"] == 0 and stats["staged_fallbacks"] == {}
     graphs.disable()
     assert all(len(t) == 16 for t in got.values())
     # every staged run took flash (Python runs: the captures of the staged forms), and replays ran inline

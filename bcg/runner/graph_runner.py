@@ -23,7 +23,7 @@ from bcg.core.debug import Debug
 from bcg.core.pool import PoolHandle
 from bcg.core.torch_internals import pytree, stream_readers
 from bcg.distributed.agreement import RankAgreement, checked_call, replay_choice
-from bcg.errors import ReplayError
+from bcg.errors import NoFormFitsError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
 from bcg.runner.arguments import check_runner_arguments
@@ -41,8 +41,9 @@ log = logging.getLogger("bcg")
 #: The reasons a call runs ``forward`` eagerly instead of replaying a graph (``"not_captured_yet"``:
 #: ``lazy=True``, the call's bucket is captured right after it; or a background capture has not
 #: reached it yet. ``"capture_busy"``: its bucket is captured, but a background capture holds the
-#: call lock for another bucket, which the replay would wait for).
-FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet", "capture_busy")
+#: call lock for another bucket, which the replay would wait for. ``"staged_unfit"``: the call's live
+#: metadata fits none of the bucket's staged forms, and it has no breakable form: ``StagedTiers(breakable=False)``).
+FALLBACK_REASONS = ("too_large", "padding_waste", "capture_failed", "not_captured_yet", "capture_busy", "staged_unfit")
 
 #: A call's route in :meth:`bcg.distributed.RankAgreement.expect_same` checks (the key names the
 #: codes, for its error message): k >= 0 the bucket graph's form k (:meth:`BreakableGraph.choose`),
@@ -104,26 +105,12 @@ class GraphRunner:
     """
 
     def __init__(
-        self,
-        forward: Callable[..., Any],
-        buckets: Sequence[int] | None = None,
-        *,
-        example_inputs: Sequence[Any],
-        pad_dim: int | Sequence[int | None] = 0,
-        live: Any = UNSET,
-        pool: PoolHandle | None = None,
-        stream: torch.cuda.Stream | None = None,
-        capture_error_mode: str = "global",
-        variants: VariantPolicy | None = None,
-        debug: Debug | None = None,
-        mode: str = "graph",
-        lazy: bool = False,
-        max_padding_ratio: float | None = None,
-        copy_outputs: bool | None = None,
-        sanitize: bool = True,
-        progress: bool = True,
-        name: str | None = None,
-        ranks: RankAgreement | None = None,
+        self, forward: Callable[..., Any], buckets: Sequence[int] | None = None, *,
+        example_inputs: Sequence[Any], pad_dim: int | Sequence[int | None] = 0, live: Any = UNSET,
+        pool: PoolHandle | None = None, stream: torch.cuda.Stream | None = None, capture_error_mode: str = "global",
+        variants: VariantPolicy | None = None, debug: Debug | None = None, mode: str = "graph", lazy: bool = False,
+        max_padding_ratio: float | None = None, copy_outputs: bool | None = None, sanitize: bool = True,
+        progress: bool = True, name: str | None = None, ranks: RankAgreement | None = None,
     ) -> None:
         check_runner_arguments(forward, buckets, example_inputs, pad_dim, mode, max_padding_ratio, copy_outputs,
                                sanitize, pool, stream, capture_error_mode, progress, name, variants, debug, ranks,
@@ -248,25 +235,28 @@ class GraphRunner:
         (:meth:`bcg.distributed.RankAgreement.expect_same`; a difference raises
         :class:`bcg.ReplayError` at the next call).
         """
-        if bucket is None:  # a call on input_buffers(T) that nothing holds up: all of it in C
-            if self._native is None:
-                self._native = native_call(self, self._handed, self._ladder, self._schedule, self._lock,
-                                           self._device.index or 0, self._copy_outputs, self._max_padding_ratio,
-                                           self._ranks)
-            if self._native and (out := self._native.call(inputs, live)) is not NotImplemented:
-                return out
-        if self._lock.background:  # a background capture of the pool runs: it yields to calls
-            with self._lock.serving():
-                schedule = self._schedule
-                # (not on the runner's own buffers, which a capture rewrites)
-                if bucket is None and self._ranks is None and schedule.may_serve_eagerly() \
-                        and not self._handed.owns(inputs):
-                    n = pick_bucket(self._ladder.sizes, check_inputs(self._inputs, inputs, self.name))
-                    reason = schedule.eager_reason(self._ladder.buckets[n] if n is not None else None)
-                    if reason is not None:
-                        return self._fallback(reason, inputs, live, None)
-                return self._locked_call(inputs, live, bucket)
-        return self._locked_call(inputs, live, bucket)
+        try:
+            if bucket is None:  # a call on input_buffers(T) that nothing holds up: all of it in C
+                if self._native is None:
+                    self._native = native_call(self, self._handed, self._ladder, self._schedule, self._lock,
+                                               self._device.index or 0, self._copy_outputs, self._max_padding_ratio,
+                                               self._ranks)
+                if self._native and (out := self._native.call(inputs, live)) is not NotImplemented:
+                    return out
+            if self._lock.background:  # a background capture of the pool runs: it yields to calls
+                with self._lock.serving():
+                    schedule = self._schedule
+                    # (not on the runner's own buffers, which a capture rewrites)
+                    if bucket is None and self._ranks is None and schedule.may_serve_eagerly() \
+                            and not self._handed.owns(inputs):
+                        n = pick_bucket(self._ladder.sizes, check_inputs(self._inputs, inputs, self.name))
+                        reason = schedule.eager_reason(self._ladder.buckets[n] if n is not None else None)
+                        if reason is not None:
+                            return self._fallback(reason, inputs, live, None)
+                    return self._locked_call(inputs, live, bucket)
+            return self._locked_call(inputs, live, bucket)
+        except NoFormFitsError:  # chosen before any launch (StagedTiers(breakable=False))
+            return self._fallback("staged_unfit", inputs, live, None)
 
     def _locked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None) -> Any:
         with self._lock.for_caller():

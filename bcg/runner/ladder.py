@@ -210,6 +210,12 @@ class Ladder:
     def _live_for(self, n: int) -> Any:
         return self._lives_for(n)[-1]
 
+    def _breakable_for(self, n: int) -> bool:
+        """Whether bucket ``n``'s staged graph gets its breakable form (always with ranks)."""
+        live = self._live
+        live = live(n) if callable(live) else live
+        return self.ranks is not None or not isinstance(live, StagedTiers) or live.breakable
+
     # -- runs --------------------------------------------------------------------------------
     def padded_forward(self, n: int, views: list[Any]) -> Any:
         """``forward`` on the size-``n`` static inputs; first (if sanitizing) zero rows ``>= T``."""
@@ -393,8 +399,9 @@ class Ladder:
         if graph.staged:
             # The breakable form, for calls whose metadata does not fit, captured while the
             # inline form's outputs are held; a replay of it copies its outputs into those.
-            self._capture_graph(graph, n, self._live_for(n), form="breakable", pool=pool,
-                                release=membership.release)
+            if self._breakable_for(n):
+                self._capture_graph(graph, n, self._live_for(n), form="breakable", pool=pool,
+                                    release=membership.release)
             # A bucket in a pool of its own (a lazy runner's first) is captured again at the next
             # capture: its tiers (calls with fewer requests run faster) come then, not before
             # the first result.

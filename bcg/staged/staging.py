@@ -369,18 +369,30 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
     copying its outputs into the bucket's (in the graph), so calls return the
     same tensors whichever form ran.
 
+    Arguments:
+        lives: the tiers' values, then the bucket's own (last).
+        breakable: capture the breakable form too (default). ``False``: not, where every call's
+            metadata fits a staged form (the last bound covers every call): one capture less per
+            bucket, and a call that fits none runs eagerly (fallback ``"staged_unfit"``). With
+            ``ranks=`` the breakable form is always captured (ranks agree on the form they run).
+
     .. warning::
         Each tier costs one more capture and executable per bucket (its
         temporaries share the pool).
     """
 
-    def __new__(cls, *lives: Any) -> StagedTiers:
+    breakable: bool
+
+    def __new__(cls, *lives: Any, breakable: bool = True) -> StagedTiers:
         if not lives:
             raise ValueError("StagedTiers needs at least one live value (the bucket's own, last)")
-        return super().__new__(cls, lives)
+        tiers = super().__new__(cls, lives)
+        tiers.breakable = bool(breakable)
+        return tiers
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle: the values, not one tuple of them
-        return tuple(self)
+    def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # copy and pickle: the values (not one tuple of them) and the flag
+        return tuple(self), {"breakable": self.breakable}
 
 
 class StagedWarmup(Recorder):

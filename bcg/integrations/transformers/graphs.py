@@ -140,8 +140,10 @@ class ContinuousBatchingGraphs:
         # above that is cut to it, so the last tier holds every step
         capacity = cache.num_pages + max_tokens
         bounds = sorted({min(b, capacity) for b in self._kv_bounds})
-        # a bound cut to the capacity barely above the one before: one tier (one form per bucket) less
-        if self._kv_bounds[-1] > capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
+        if self.flash and bounds[-1] < capacity:  # flash stages every step: the last tier holds any
+            bounds.append(capacity)
+        # a last bound of the capacity barely above the one before: one tier (one form per bucket) less
+        if bounds[-1] == capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
             del bounds[-2]
         if self.staged and bounds:
             self.attention.kv_bounds = tuple(bounds)
@@ -164,7 +166,9 @@ class ContinuousBatchingGraphs:
         # a step of this bucket reads at least its tokens (more than the previous bucket's): a bound
         # below the bucket would rarely hold one, so it gets no form (the last bound always does)
         *lower, last = self.attention.kv_bounds
-        return bcg.StagedTiers(*(CaptureMeta(b) for b in (*lower, last) if b >= tokens or b == last))
+        # with flash every step is staged and the last tier holds any: no breakable form to capture
+        return bcg.StagedTiers(*(CaptureMeta(b) for b in (*lower, last) if b >= tokens or b == last),
+                               breakable=not self.flash)
 
     def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """What the runner captures: the decoder, its attention routed to the breakpoint."""
