@@ -245,7 +245,8 @@ def draw(report: dict[str, Any], path: Path) -> None:
         ax.bar(modes, values, color=["#888", "#c96", "#369"][: len(modes)])
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(f"{report['model']}, {report['gpu']}", fontsize=9)
+    fig.suptitle(f"{report['model']}; {report['gpu']}, torch {report['torch']}, transformers "
+                 f"{report['transformers']}, {report['commit']}, {report['date'][:10]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
