@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bcg.capture import capture_into
-from bcg.core.breakpoint import UNSET, recording
+from bcg.core.breakpoint import recording
 from bcg.core.debug import Debug
 from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, graph_pool_handle, pool_bytes
 from bcg.core.process import capture_lock, capture_stream, release_when_safe
@@ -199,12 +199,14 @@ class Ladder:
                                         owner=f"the graphs of bcg.GraphRunner({self.name})")
         return self.static, self.sanitizer
 
+    def _live_value(self, n: int) -> Any:
+        """What ``live`` gives bucket ``n`` (UNSET, a value, or :class:`bcg.StagedTiers`)."""
+        live = self._live
+        return live(n) if callable(live) else live
+
     def _lives_for(self, n: int) -> tuple[Any, ...]:
         """The capture-time live values of bucket ``n``: its staged tiers' (if any), its own last."""
-        live = self._live
-        if live is UNSET:
-            return (UNSET,)
-        live = live(n) if callable(live) else live
+        live = self._live_value(n)
         return tuple(live) if isinstance(live, StagedTiers) else (live,)
 
     def _live_for(self, n: int) -> Any:
@@ -212,8 +214,7 @@ class Ladder:
 
     def _breakable_for(self, n: int) -> bool:
         """Whether bucket ``n``'s staged graph gets its breakable form (always with ranks)."""
-        live = self._live
-        live = live(n) if callable(live) else live
+        live = self._live_value(n)
         return self.ranks is not None or not isinstance(live, StagedTiers) or live.breakable
 
     # -- runs --------------------------------------------------------------------------------
