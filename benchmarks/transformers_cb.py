@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--small", action="store_true", help="4 layers, 16 requests, prompts up to 256, 32 tokens")
     p.add_argument("--out", default="benchmarks/results/transformers_cb")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be at least 1 (the timed rounds)")
     if args.small:
         args.layers, args.requests, args.max_prompt, args.new_tokens = 4, 16, 256, 32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
