@@ -157,8 +157,9 @@ def capture_into(
 
     The inline forms end a segment before the first staged copy
     (``CaptureOptions.split_staged``): the caller captures a staged graph's
-    breakable form too (make_graph and the runner do), whose segments end at
-    every staged breakpoint anyway.
+    breakable form too (make_graph and the runner do, unless
+    ``StagedTiers(breakable=False)``), whose segments end at every staged
+    breakpoint anyway; the split asks no more of the code than that would.
     """
     options = dataclasses.replace(options, split_staged=True)
     if form != "first":

@@ -373,9 +373,10 @@ class CaptureOptions:
             another form of the same graph, captured from the same code, holds them).
         split_staged: end the segment before the first staged copy, so a replay
             prepares while the GPU runs the work before it. Only where the graph
-            also has a breakable form, whose segments end at every staged
-            breakpoint: the split then asks nothing more of the code (no side
-            stream forked before it and joined after it, as at any breakpoint).
+            has, or could have, a breakable form (make_graph, the runner), whose
+            segments end at every staged breakpoint: the split then asks nothing
+            more of the code (no side stream forked before it and joined after
+            it, as at any breakpoint).
     """
 
     pool: PoolHandle | None = None
