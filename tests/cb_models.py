@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
+
+
+def fresh_seed() -> int:
+    """A random seed, printed (a failure names the seed to rerun it with)."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    return seed
 
 
 def tiny_llama(seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, layers: int = 2,

@@ -3,7 +3,6 @@ in eager mode (same buckets, padding, staged and plain attention; no graphs) on 
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -12,21 +11,15 @@ pytest.importorskip("transformers")
 
 import bcg.integrations.transformers as bcg_transformers  # noqa: E402
 
-from .cb_models import generate, prompts, tiny_llama  # noqa: E402
+from .cb_models import fresh_seed, generate, prompts, tiny_llama  # noqa: E402
 
 CB = {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 128, "max_requests_per_batch": 16}
 VOCAB = 512
 
 
-def _seed() -> int:
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    return seed
-
-
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "plain"])
 def test_tokens_equal_transformers_request_by_request(staged: bool) -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     requests = prompts(seed, 32, 1, 90, VOCAB)
     expected = generate(model, requests, 8, **CB)
@@ -45,7 +38,7 @@ def test_tokens_equal_transformers_request_by_request(staged: bool) -> None:
 
 
 def test_steps_above_every_kv_bound_run_plain_attention() -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     requests = prompts(seed, 12, 20, 60, VOCAB)
     expected = generate(model, requests, 6, **CB)
@@ -55,7 +48,7 @@ def test_steps_above_every_kv_bound_run_plain_attention() -> None:
 
 
 def test_a_second_session_gets_new_graphs_and_equal_tokens() -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     first, second = prompts(seed, 10, 1, 50, VOCAB), prompts(seed + 1, 10, 1, 50, VOCAB)
     expected = [generate(model, first, 5, **CB), generate(model, second, 5, **CB)]
@@ -65,7 +58,7 @@ def test_a_second_session_gets_new_graphs_and_equal_tokens() -> None:
 
 
 def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     ids = torch.randint(1, VOCAB, (2, 9))
     model.set_attn_implementation("sdpa")
@@ -106,7 +99,7 @@ def test_defaults_without_flash_keep_the_masked_staged_attention() -> None:
 
 
 def test_paged_eager_attention_equals_transformers() -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     model.set_attn_implementation("paged|eager")
     requests = prompts(seed, 16, 1, 70, VOCAB)
@@ -124,13 +117,13 @@ def test_the_example_runs_and_its_tokens_are_equal() -> None:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.main(["--requests", "8", "--new-tokens", "4", "--seed", str(_seed())]) is True
+    assert example.main(["--requests", "8", "--new-tokens", "4", "--seed", str(fresh_seed())]) is True
 
 
 def test_divergence_tells_a_near_tie_from_a_wrong_token() -> None:
     from bcg.integrations.transformers import divergence
 
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     shape = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256, "vocab": 1024}
     reference = tiny_llama(seed, **shape)
     half = tiny_llama(seed, dtype=torch.bfloat16, **shape)

@@ -3,7 +3,6 @@ through bcg graphs (staged and plain attention) gives transformers' own tokens, 
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ pytest.importorskip("transformers")
 import bcg.integrations.transformers as bcg_transformers  # noqa: E402
 from bcg.integrations.transformers import divergence  # noqa: E402
 
-from .cb_models import generate, prompts, tiny_llama  # noqa: E402
+from .cb_models import fresh_seed, generate, prompts, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -22,15 +21,9 @@ CB = {"block_size": 32, "num_blocks": 256, "max_batch_tokens": 256, "max_request
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "intermediate": 512, "vocab": 2048}
 
 
-def _seed() -> int:
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    return seed
-
-
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "plain"])
 def test_fp32_tokens_equal_transformers_request_by_request(staged: bool) -> None:
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, device="cuda", **SHAPE)
     requests = prompts(seed, 32, 1, 200, SHAPE["vocab"])
     expected = generate(model, requests, 16, **CB)
@@ -51,7 +44,7 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     """bf16, flash: requests equal to transformers' own CB are counted; each that differs is traced
     to where it first differs, which must be a near-tie (the two tokens' fp32 logits closer than
     bf16's own error there)."""
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, device="cuda", dtype=torch.bfloat16, **SHAPE)
     requests = prompts(seed, 32, 1, 200, SHAPE["vocab"])
     expected = generate(model, requests, 16, **CB)
@@ -101,7 +94,7 @@ def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
     from bcg.integrations.transformers.attention import flash_staged_attention, flash_usable
     from bcg.integrations.transformers.metadata import StaticIndices, StepMeta
 
-    seed = _seed()
+    seed = fresh_seed()
     model = tiny_llama(seed, device="cuda", dtype=torch.bfloat16, **SHAPE)
     heads, dim = SHAPE["heads"], SHAPE["hidden"] // SHAPE["heads"]
     if not flash_usable(torch.device("cuda"), torch.bfloat16, dim):
