@@ -145,3 +145,39 @@ def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
     print("checked (tokens, keys, rows):", checked)
     assert any(rows > T for T, _, rows in checked), "no step with padded rows was checked"
     assert any(keys > T for T, keys, _ in checked), "no step reading the cache was checked"
+
+
+def test_the_bounded_kv_read_moves_the_keys_a_replay_stages_and_no_more() -> None:
+    """``gather_keys`` captured once in a CUDA graph: each replay moves ``cu_k[-1]`` rows (staged
+    after the capture, on the device), equal to ``index_select``; the rows past them are untouched."""
+    from bcg.integrations.transformers.gather import gather_keys, triton_usable
+
+    if not triton_usable():
+        pytest.skip("Triton does not import here")
+    seed = fresh_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    slots, kv_heads, dim, bound = 4096, 2, 64, 1000
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    index = torch.randperm(slots, generator=g, device="cuda")[:bound]
+    cu_k = torch.zeros(9, dtype=torch.int32, device="cuda")
+    keys = torch.empty(bound, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    values = torch.empty_like(keys)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first call compiles the kernel, outside the capture
+        gather_keys(k_cache, v_cache, index, cu_k[:5], keys, values)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gather_keys(k_cache, v_cache, index, cu_k[:5], keys, values)  # reads cu_k[4]
+    for total in (1, 17, 999, 1000, 0, 345):
+        cu_k.fill_(-1)
+        cu_k[4] = total
+        keys.fill_(float("nan"))
+        values.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(keys[:total], k_cache[index[:total]]), total
+        assert torch.equal(values[:total], v_cache[index[:total]]), total
+        assert keys[total:].isnan().all() and values[total:].isnan().all(), f"rows past {total} were written"

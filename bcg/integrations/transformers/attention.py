@@ -11,8 +11,9 @@ paged cache, reads the keys back, attends):
 * staged, inline in the graph (``bcg.live()`` is a :class:`Staged`): on every row of the bucket,
   with the static indices of :class:`StaticIndices` (padded rows write to the write-trash slot,
   padded keys read the zeroed read-trash slot). In half precision on CUDA (:func:`flash_usable`)
-  :func:`flash_staged_attention` writes and gathers through the cache and runs ATen's varlen
-  flash kernel over the staged cumulative lengths, so its work follows the step's real keys;
+  :func:`flash_staged_attention` writes the new K/V into the cache, reads the step's keys back
+  (as many as the staged lengths hold, on the device) and runs ATen's varlen flash kernel over the
+  staged cumulative lengths, so its work follows the step's real keys;
   otherwise transformers' function runs with a dense mask built on the device over the KV bound
   (padded keys and rows masked out);
 * during a capture of the breakable form (a :class:`CaptureMeta`): zeros, nothing written.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 import bcg
+from bcg.integrations.transformers.gather import gather_keys, triton_usable
 from bcg.integrations.transformers.metadata import CaptureMeta, Staged, StaticIndices, StepMeta, block_causal_mask
 
 # ATen's varlen flash forward (the kernel behind SDPA's flash backend): varlen with cumulative
@@ -44,19 +46,19 @@ def _flash_device(device: torch.device) -> bool:
 
 def flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the staged attention runs ATen's flash kernel here: CUDA (sm80+), half precision,
-    a head dimension flash takes.
+    a head dimension flash takes, and Triton (:func:`.gather.gather_keys`).
 
     Arguments:
         device, dtype: the queries' device and dtype.
         head_dim: the attention head dimension.
     """
     return (_FLASH is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256 and _flash_device(device))
+            and head_dim % 8 == 0 and head_dim <= 256 and _flash_device(device) and triton_usable())
 
 
 def flash_staged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            staged: Staged, out: torch.Tensor) -> None:
-    """The staged attention with flash: every shape static, the work following the staged lengths.
+    """The staged attention with flash: every shape static, the work following the step's real keys.
 
     Arguments:
         module: the attention layer (``layer_idx``, ``scaling``).
@@ -64,19 +66,27 @@ def flash_staged_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         staged: the static indices (write slots, read slots, cumulative lengths).
         out: ``[1, rows, heads, D]``, written: each request's attention, zeros past the step's rows.
 
-    The new K/V go into the paged cache with transformers' own ``PagedAttentionCache.update`` (as
-    its ``paged|sdpa`` does: padded rows to the write trash), which returns the ``[kv_bound]``
-    keys of the read slots gathered (padded keys: the read trash). Flash then attends each request
-    over its own keys (``cu_k``), causal aligned bottom-right, which is transformers' CB mask: query
-    ``a`` sees key ``b`` when ``b <= a + past``.
+    The new K/V go into the layer's paged cache as transformers' ``PagedAttentionCache.update``
+    writes them (``index_copy_``; padded rows to the write trash). :func:`.gather.gather_keys` then
+    reads the step's keys from the read slots, as many as ``cu_k`` holds on the device (the rest of
+    the ``[kv_bound]`` buffers is never read). Flash attends each request over its own keys
+    (``cu_k``), causal aligned bottom-right, which is transformers' CB mask: query ``a`` sees key
+    ``b`` when ``b <= a + past``.
     """
     assert _FLASH is not None
     rows = query.shape[2]
-    keys, values = staged.cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                                       read_index=[staged.read], write_index=[staged.write[:rows]])
+    cache = staged.cache
+    # transformers' own layout: one cache tensor per layer of a group (models with one group only)
+    _, in_group = cache.layer_index_to_group_indices[module.layer_idx]
+    k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+    k_cache.index_copy_(0, staged.write[:rows], key[0].transpose(0, 1))
+    v_cache.index_copy_(0, staged.write[:rows], value[0].transpose(0, 1))
     # A step has at most one request per row: the first rows + 1 cumulative lengths hold every
     # request (the rest are padded, empty), which keeps flash's grid to the bucket, not the cache.
     cu_q, cu_k = staged.cu_q[: rows + 1], staged.cu_k[: rows + 1]
+    keys = k_cache.new_empty((staged.kv_bound, *k_cache.shape[1:]))
+    values = torch.empty_like(keys)
+    gather_keys(k_cache, v_cache, staged.read, cu_k, keys, values)
     q = query[0].transpose(0, 1).contiguous()
     # max_q is at least 2: at 1 with grouped KV heads the kernel takes a decode path that reads q
     # as one row per request and ignores cu_seq_q (padded rows are not requests)
@@ -94,13 +104,14 @@ class PagedAttention:
         base: transformers' paged attention function (``AttentionInterface()["paged|sdpa"]``).
         staged: capture the attention inline where a step fits (else: a plain breakpoint only).
         kv_bounds: ascending key bounds of the staged forms (the last one: the bucket's inline form).
+        flash: whether the staged attention runs :func:`flash_staged_attention` (decided once, for
+            the model, with :func:`flash_usable`), else transformers' function with a mask.
     """
 
-    def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...]) -> None:
+    def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...], flash: bool) -> None:
         self.base = base
         self.kv_bounds = kv_bounds
-        #: whether the staged attention may use flash (where :func:`flash_usable` holds for the step)
-        self.flash = True
+        self.flash = flash
         self.indices: StaticIndices | None = None  # the current CB session's buffers (staged)
         self.modules: dict[int, torch.nn.Module] = {}
         self._mask: torch.Tensor | None = None  # built by the first layer of a staged forward
@@ -155,7 +166,7 @@ class PagedAttention:
         rows = query.shape[2]
         if isinstance(live, Staged):
             self.runs["staged"] += 1
-            if self.flash and flash_usable(query.device, query.dtype, query.shape[-1]):
+            if self.flash:
                 self.runs["flash"] += 1
                 flash_staged_attention(module, query, key, value, live, out)
                 return

@@ -34,9 +34,10 @@ BASES = ("paged|sdpa", "paged|eager")
 #: KV bounds of the staged forms (keys read per step, all requests packed), smallest first, where
 #: the staged attention runs transformers' function with a dense mask (its work follows the bound).
 DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
-#: The same where it runs flash (half precision on CUDA): only the K/V gather follows the bound,
-#: so fewer tiers (fewer graphs to capture).
-FLASH_KV_BOUNDS = (8192, 65536)
+#: The same where it runs flash (half precision on CUDA): none, since its work follows the step's
+#: real keys at any bound. The cache's capacity, always the last bound with flash, holds every step:
+#: one form per bucket.
+FLASH_KV_BOUNDS: tuple[int, ...] = ()
 #: Buckets above it run the attention as a plain breakpoint, where it runs with a dense mask
 #: (whose size follows the bucket's rows times the bound).
 DEFAULT_STAGED_MAX_TOKENS = 512
@@ -62,14 +63,14 @@ class ContinuousBatchingGraphs:
         if self.base_name not in BASES:
             raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {self.base_name!r}; "
                              f"set one of {BASES} (model.set_attn_implementation('paged|sdpa'))")
-        #: whether the staged attention runs flash on this model (checked again at every staged run)
+        #: whether the staged attention runs flash on this model (its device, dtype and head dim now)
         self.flash = _flash_model(model)
         if staged_max_tokens is None:  # flash builds no mask: every bucket can run staged
             staged_max_tokens = 2**62 if self.flash else DEFAULT_STAGED_MAX_TOKENS
         self.staged_max_tokens = staged_max_tokens
         bounds = tuple(kv_bounds) if kv_bounds is not None else FLASH_KV_BOUNDS if self.flash else DEFAULT_KV_BOUNDS
         self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
-        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds)
+        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
         self.runner: bcg.GraphRunner | None = None
@@ -140,7 +141,7 @@ class ContinuousBatchingGraphs:
         # above that is cut to it, so the last tier holds every step
         capacity = cache.num_pages + max_tokens
         bounds = sorted({min(b, capacity) for b in self._kv_bounds})
-        if self.flash and bounds[-1] < capacity:  # flash stages every step: the last tier holds any
+        if self.flash and (not bounds or bounds[-1] < capacity):  # flash stages every step: the last tier holds any
             bounds.append(capacity)
         # a last bound of the capacity barely above the one before: one tier (one form per bucket) less
         if bounds[-1] == capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
