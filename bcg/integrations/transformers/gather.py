@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import time
 from typing import Any
 
 import torch
@@ -51,6 +53,31 @@ def _kernel() -> Any:
             tl.store(v_dst + dst, tl.load(v_src + src, mask=ok), mask=ok)
 
     return gather
+
+
+def load_kernel(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int) -> float:
+    """Compile (or load from Triton's disk cache) the kernel that :func:`gather_keys` runs on
+    caches of ``dtype`` with rows of ``kv_heads * head_dim``, by one call that moves nothing.
+    Returns the seconds it took.
+
+    Arguments:
+        device: a CUDA device.
+        dtype: the K/V cache's dtype.
+        kv_heads, head_dim: the cache's row shape.
+
+    A kernel's first call in a process compiles it (on a machine's first use) or loads it: at
+    ``enable``, rather than inside the first capture's warm-up.
+    """
+    t0 = time.perf_counter()
+    cache = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    cu_k = torch.zeros(2, dtype=torch.int32, device=device)  # no keys: nothing moved
+    out = torch.empty_like(cache)
+    gather_keys(cache, cache, index, cu_k, out, out.clone())
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    logging.getLogger("bcg").info("bcg: the K/V gather kernel loaded in %.2f s", seconds)
+    return seconds
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,6 +24,7 @@ import torch
 
 import bcg
 from bcg.integrations.transformers.attention import PagedAttention, flash_usable
+from bcg.integrations.transformers.gather import load_kernel
 from bcg.integrations.transformers.metadata import CaptureMeta, StaticIndices, StepMeta
 
 log = logging.getLogger("bcg")
@@ -71,6 +72,11 @@ class ContinuousBatchingGraphs:
         bounds = tuple(kv_bounds) if kv_bounds is not None else FLASH_KV_BOUNDS if self.flash else DEFAULT_KV_BOUNDS
         self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
         self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
+        #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
+        self.kernel_load_s = 0.0
+        if staged and self.flash:
+            param = next(model.parameters())
+            self.kernel_load_s = load_kernel(param.device, param.dtype, *_kv_shape(model.config))
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
         self.runner: bcg.GraphRunner | None = None
@@ -192,9 +198,10 @@ class ContinuousBatchingGraphs:
 
     def stats(self) -> dict[str, Any]:
         """The runner's :meth:`bcg.GraphRunner.stats` (``{}`` before the first step), plus ``steps``
-        (forwards run through the runner) and ``sessions`` (CB sessions, each with its own graphs)."""
+        (forwards run through the runner), ``sessions`` (CB sessions, each with its own graphs) and
+        ``kernel_load_s`` (the flash staged attention's kernel, loaded at ``enable``; else 0)."""
         stats = self.runner.stats() if self.runner is not None else {}
-        return {**stats, "steps": self.steps, "sessions": self.sessions}
+        return {**stats, "steps": self.steps, "sessions": self.sessions, "kernel_load_s": self.kernel_load_s}
 
     def release(self) -> None:
         """Free the graphs, their pool and the static indices (the next CB step captures again)."""
@@ -215,9 +222,13 @@ def _flash_model(model: Any) -> bool:
     """Whether the staged attention runs flash on ``model`` as it is now (its parameters' device and
     dtype, its head dimension)."""
     param = next(model.parameters())
-    config = model.config
+    return flash_usable(param.device, param.dtype, _kv_shape(model.config)[1])
+
+
+def _kv_shape(config: Any) -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` of a transformers config (Llama's attributes)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return flash_usable(param.device, param.dtype, head_dim)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim
 
 
 def _attention_name(model: Any) -> str:
