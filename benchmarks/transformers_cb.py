@@ -246,8 +246,11 @@ def draw(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelrotation=20)
     # the one-time load of the flash staged attention's kernel, at enable(), on top of the captures
-    loads = [report["modes"][m].get("kernel_load_s", 0.0) for m in modes]
-    axes[-1].bar(modes, loads, bottom=figures[-1][1], color="none", edgecolor="#369", hatch="//")
+    loaded = [(m, report["modes"][m]["kernel_load_s"], c) for m, c in zip(modes, figures[-1][1])
+              if report["modes"][m].get("kernel_load_s")]
+    if loaded:
+        names, loads, bottoms = zip(*loaded)
+        axes[-1].bar(names, loads, bottom=bottoms, color="none", edgecolor="#369", hatch="//")
     fig.suptitle(f"{report['model']}; {report['gpu']}, torch {report['torch']}, transformers "
                  f"{report['transformers']}, {report['commit']}, {report['date'][:10]}", fontsize=9)
     fig.tight_layout()
