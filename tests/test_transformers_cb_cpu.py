@@ -141,3 +141,32 @@ def test_divergence_tells_a_near_tie_from_a_wrong_token() -> None:
     assert i == 1 and gap > 4 * noise
     with pytest.raises(ValueError, match="agree"):
         divergence(reference, half, prompt, [5, best], [5, best])
+
+
+def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the staged attention runs flash (its work follows the real keys at any bound), a CB
+    session's buckets each capture one form bounded by the cache's capacity, and no breakable
+    form, whatever ``kv_bounds`` asks (bounds for the masked attention)."""
+    from types import SimpleNamespace
+
+    from bcg.integrations.transformers import graphs as graphs_module
+    from bcg.integrations.transformers.metadata import CaptureMeta
+
+    loads = []
+    monkeypatch.setattr(graphs_module, "_flash_model", lambda model: True)  # (flash needs a GPU)
+    monkeypatch.setattr(graphs_module, "load_kernel", lambda *args: loads.append(args) or 0.25)
+    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)],
+                            write_trash_index=0, read_trash_index=1)
+    capacity = cache.num_pages + cache.max_batch_tokens
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    for asked in (None, (100,), (600, 4096)):
+        graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB), kv_bounds=asked, mode="eager")
+        assert graphs.flash and graphs.staged_max_tokens >= cache.max_batch_tokens
+        assert graphs.stats()["kernel_load_s"] == 0.25 and len(loads) == 1 and loads.pop()[2:] == (2, 16)
+        graphs._runner_for(cache, ids)
+        assert graphs.attention.kv_bounds == (capacity,)
+        assert graphs.attention.indices is not None and graphs.attention.indices.read.numel() == capacity
+        for tokens in (8, 64):
+            tiers = graphs._capture_live(tokens)
+            assert not tiers.breakable and list(tiers) == [CaptureMeta(capacity)]
+        graphs.disable()

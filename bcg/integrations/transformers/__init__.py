@@ -18,11 +18,10 @@ from bcg.integrations.transformers.graphs import (
     BASES,
     DEFAULT_KV_BOUNDS,
     DEFAULT_STAGED_MAX_TOKENS,
-    FLASH_KV_BOUNDS,
     ContinuousBatchingGraphs,
 )
 
-__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_KV_BOUNDS", "ContinuousBatchingGraphs",
+__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "ContinuousBatchingGraphs",
            "divergence", "enable"]
 
 
@@ -40,14 +39,13 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
         staged: run the attention inline in the graph where a step fits (default); ``False``:
             a plain breakpoint, run eagerly at every replay.
         kv_bounds: ascending bounds on the keys one step reads (all its requests' context
-            packed): one staged form per bound and bucket (bounds below the bucket's tokens
-            skipped, bounds above the cache's capacity cut to it); a step above the last runs the
-            attention as a plain breakpoint. Default: ``FLASH_KV_BOUNDS`` (none) where the staged
-            attention runs flash (the model in half precision on a CUDA device of sm80 or newer,
-            with Triton), else ``DEFAULT_KV_BOUNDS``. With flash the cache's capacity is always the
-            last bound (merged with a bound within half of it): every step runs staged, the
-            buckets get no breakable form, and by default one form each (flash's work follows
-            the step's real keys at any bound).
+            packed), for the masked staged attention (whose work follows the bound): one staged
+            form per bound and bucket (bounds below the bucket's tokens skipped, bounds above the
+            cache's capacity cut to it); a step above the last runs the attention as a plain
+            breakpoint. Default ``DEFAULT_KV_BOUNDS``. Not used where the staged attention runs
+            flash (the model in half precision on a CUDA device of sm80 or newer, with Triton):
+            its work follows each step's keys, so the one bound is the cache's capacity, every
+            step runs staged and each bucket has one form (no breakable form).
         staged_max_tokens: buckets above it run the attention as a plain breakpoint only.
             Default: every bucket staged where the staged attention runs flash (it builds no
             mask), else ``DEFAULT_STAGED_MAX_TOKENS``.

@@ -35,10 +35,6 @@ BASES = ("paged|sdpa", "paged|eager")
 #: KV bounds of the staged forms (keys read per step, all requests packed), smallest first, where
 #: the staged attention runs transformers' function with a dense mask (its work follows the bound).
 DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
-#: The same where it runs flash (half precision on CUDA): none, since its work follows the step's
-#: real keys at any bound. The cache's capacity, always the last bound with flash, holds every step:
-#: one form per bucket.
-FLASH_KV_BOUNDS: tuple[int, ...] = ()
 #: Buckets above it run the attention as a plain breakpoint, where it runs with a dense mask
 #: (whose size follows the bucket's rows times the bound).
 DEFAULT_STAGED_MAX_TOKENS = 512
@@ -69,7 +65,11 @@ class ContinuousBatchingGraphs:
         if staged_max_tokens is None:  # flash builds no mask: every bucket can run staged
             staged_max_tokens = 2**62 if self.flash else DEFAULT_STAGED_MAX_TOKENS
         self.staged_max_tokens = staged_max_tokens
-        bounds = tuple(kv_bounds) if kv_bounds is not None else FLASH_KV_BOUNDS if self.flash else DEFAULT_KV_BOUNDS
+        # (with flash the one bound is a session's cache capacity: see _runner_for)
+        bounds = () if self.flash else tuple(kv_bounds) if kv_bounds is not None else DEFAULT_KV_BOUNDS
+        if self.flash and staged and kv_bounds is not None:
+            log.info("bcg: the staged attention runs flash, whose work follows each step's keys: kv_bounds %s "
+                     "unused, one form per bucket reads up to the cache's capacity", tuple(kv_bounds))
         self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
         self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
         #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
@@ -146,12 +146,8 @@ class ContinuousBatchingGraphs:
         # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
         # above that is cut to it, so the last tier holds every step
         capacity = cache.num_pages + max_tokens
-        bounds = sorted({min(b, capacity) for b in self._kv_bounds})
-        if self.flash and (not bounds or bounds[-1] < capacity):  # flash stages every step: the last tier holds any
-            bounds.append(capacity)
-        # a last bound of the capacity barely above the one before: one tier (one form per bucket) less
-        if bounds[-1] == capacity and len(bounds) > 1 and 2 * bounds[-2] >= bounds[-1]:
-            del bounds[-2]
+        # flash: one bound, the capacity, holds every step (its work follows the step's keys)
+        bounds = [capacity] if self.flash else sorted({min(b, capacity) for b in self._kv_bounds})
         if self.staged and bounds:
             self.attention.kv_bounds = tuple(bounds)
             self.attention.indices = StaticIndices(cache, bounds[-1])
