@@ -163,6 +163,7 @@ class Mode:
         elif self.handle is not None:
             stats = self.handle.stats()
             result.update(graphs_captured=len(stats["captured_buckets"]), capture_s=stats["capture_total_s"],
+                          capture_s_per_bucket=stats["capture_s"],
                           forms_captured=sum(len(self.handle.runner.graph(b).forms) for b in stats["captured_buckets"])
                           if stats["mode"] == "graph" else 0,
                           pool_bytes=stats["pool_bytes"], fallbacks=stats["fallbacks"],
