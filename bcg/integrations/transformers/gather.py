@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("bcg")
+
 #: rows per loop step of one program, and programs per SM (a grid-stride loop: the grid is fixed at
 #: capture, the loop's end is read on the device)
 _BLOCK_ROWS = 16
@@ -76,7 +78,7 @@ def load_kernel(device: torch.device, dtype: torch.dtype, kv_heads: int, head_di
     gather_keys(cache, cache, index, cu_k, out, out.clone())
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    logging.getLogger("bcg").info("bcg: the K/V gather kernel loaded in %.2f s", seconds)
+    log.info("bcg: the K/V gather kernel loaded in %.2f s", seconds)
     return seconds
 
 
