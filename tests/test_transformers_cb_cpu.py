@@ -156,7 +156,7 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
     monkeypatch.setattr(graphs_module, "_flash_model", lambda model: True)  # (flash needs a GPU)
     monkeypatch.setattr(graphs_module, "load_kernel", lambda *args: loads.append(args) or 0.25)
     cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)],
-                            write_trash_index=0, read_trash_index=1)
+                            write_trash_index=0, read_trash_index=1, sliding_windows={0: 1, 1: 1})
     capacity = cache.num_pages + cache.max_batch_tokens
     ids = torch.zeros(1, 8, dtype=torch.long)
     for asked in (None, (100,), (600, 4096)):
@@ -170,3 +170,52 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
             tiers = graphs._capture_live(tokens)
             assert not tiers.breakable and list(tiers) == [CaptureMeta(capacity)]
         graphs.disable()
+
+
+def test_sliding_window_attention_is_refused_at_the_first_step() -> None:
+    """transformers marks full attention with a window of 1; any other window (Mistral's, say)
+    would need its read-before-write order and a windowed mask: the session's first step raises."""
+    from types import SimpleNamespace
+
+    graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB))
+    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)], write_trash_index=0,
+                            read_trash_index=1, sliding_windows={0: 1, 1: 4096})
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        graphs._runner_for(cache, torch.zeros(1, 8, dtype=torch.long))
+    assert graphs.runner is None and graphs.sessions == 0
+    graphs.disable()
+
+
+def test_a_flash_kernel_that_does_not_load_leaves_the_masked_attention(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    from bcg.integrations.transformers import graphs as graphs_module
+
+    def broken(*args: object) -> float:
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(graphs_module, "_flash_model", lambda model: True)
+    monkeypatch.setattr(graphs_module, "load_kernel", broken)
+    with caplog.at_level("WARNING", logger="bcg"):
+        graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB))
+    assert "no C compiler" in caplog.text
+    assert graphs.flash is False and graphs.attention.flash is False and graphs.stats()["kernel_load_s"] == 0.0
+    assert graphs.attention.kv_bounds == bcg_transformers.DEFAULT_KV_BOUNDS
+    assert graphs.staged_max_tokens == bcg_transformers.DEFAULT_STAGED_MAX_TOKENS
+    graphs.disable()
+
+
+def test_a_flash_setup_refuses_a_model_cast_after_enable() -> None:
+    """The flash decision is made at enable(): a staged run whose queries flash cannot take (here
+    fp32 on the CPU) raises, naming what to do, instead of running flash on them."""
+    import bcg
+    from bcg.integrations.transformers.attention import PagedAttention
+    from bcg.integrations.transformers.metadata import Staged
+
+    attention = PagedAttention(lambda *args, **kwargs: None, staged=True, kv_bounds=(64,), flash=True)
+    attention.modules[0] = torch.nn.Module()
+    q, kv = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    index, cu = torch.zeros(64, dtype=torch.long), torch.zeros(9, dtype=torch.int32)
+    with bcg.live_scope(Staged(cache=None, write=index, read=index, cu_q=cu, cu_k=cu, kv_bound=64)):
+        with pytest.raises(RuntimeError, match=r"disable\(\) and enable\(\) again"):
+            attention._attend(q, kv, kv, torch.empty(1, 8, 4, 16), 0)
+    assert attention.runs["flash"] == 0

@@ -149,13 +149,19 @@ def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
     assert any(keys > T for T, keys, _ in checked), "no step reading the cache was checked"
 
 
-def test_the_bounded_kv_read_moves_the_keys_a_replay_stages_and_no_more() -> None:
+@pytest.mark.parametrize("programs", [None, 2], ids=["grid", "2-programs"])
+def test_the_bounded_kv_read_moves_the_keys_a_replay_stages_and_no_more(programs: int | None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``gather_keys`` captured once in a CUDA graph: each replay moves ``cu_k[-1]`` rows (staged
-    after the capture, on the device), equal to ``index_select``; the rows past them are untouched."""
+    after the capture, on the device), equal to ``index_select``; the rows past them are untouched.
+    With 2 programs each loops over many row blocks (the grid-stride step)."""
+    from bcg.integrations.transformers import gather
     from bcg.integrations.transformers.gather import gather_keys, triton_usable
 
     if not triton_usable():
         pytest.skip("Triton does not import here")
+    if programs is not None:
+        monkeypatch.setattr(gather, "_programs", lambda device: programs)
     seed = fresh_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     slots, kv_heads, dim, bound = 4096, 2, 64, 1000

@@ -9,13 +9,13 @@ paged cache, reads the keys back, attends):
 * plain (``bcg.live()`` is a :class:`StepMeta`): on the step's ``T`` real rows, with the step's own
   indices and mask, exactly as transformers runs it; padded rows get zeros and never reach the cache;
 * staged, inline in the graph (``bcg.live()`` is a :class:`Staged`): on every row of the bucket,
-  with the static indices of :class:`StaticIndices` (padded rows write to the write-trash slot,
-  padded keys read the zeroed read-trash slot). In half precision on CUDA (:func:`flash_usable`)
-  :func:`flash_staged_attention` writes the new K/V into the cache, reads the step's keys back
-  (as many as the staged lengths hold, on the device) and runs ATen's varlen flash kernel over the
-  staged cumulative lengths, so its work follows the step's real keys;
-  otherwise transformers' function runs with a dense mask built on the device over the KV bound
-  (padded keys and rows masked out);
+  with the static indices of :class:`StaticIndices` (padded rows write to the write-trash slot).
+  In half precision on CUDA (:func:`flash_usable`) :func:`flash_staged_attention` writes the new
+  K/V into the cache, reads the step's keys back (as many as the staged lengths hold, on the
+  device: padded keys are never read) and runs ATen's varlen flash kernel over the staged
+  cumulative lengths, so its work follows the step's real keys; otherwise transformers' function
+  runs with a dense mask built on the device over the KV bound (padded keys read the zeroed
+  read-trash slot; padded keys and rows masked out);
 * during a capture of the breakable form (a :class:`CaptureMeta`): zeros, nothing written.
 """
 
@@ -167,6 +167,11 @@ class PagedAttention:
         if isinstance(live, Staged):
             self.runs["staged"] += 1
             if self.flash:
+                if not flash_usable(query.device, query.dtype, query.shape[-1]):
+                    raise RuntimeError(
+                        f"bcg.integrations.transformers: the staged attention was set up for flash at enable(), "
+                        f"but the model now runs {query.dtype} on {query.device}: after moving or casting the "
+                        "model, call disable() and enable() again")
                 self.runs["flash"] += 1
                 flash_staged_attention(module, query, key, value, live, out)
                 return

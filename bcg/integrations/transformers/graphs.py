@@ -61,22 +61,27 @@ class ContinuousBatchingGraphs:
             raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {self.base_name!r}; "
                              f"set one of {BASES} (model.set_attn_implementation('paged|sdpa'))")
         #: whether the staged attention runs flash on this model (its device, dtype and head dim now)
-        self.flash = _flash_model(model)
+        self.flash = staged and _flash_model(model)
+        #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
+        self.kernel_load_s = 0.0
+        if self.flash:
+            param = next(model.parameters())
+            try:
+                self.kernel_load_s = load_kernel(param.device, param.dtype, *_kv_shape(model.config))
+            except Exception as exc:  # Triton installed but unable to build here: the masked way
+                log.warning("bcg: the flash staged attention's kernel did not load (%s: %s); half precision "
+                            "runs the masked staged attention", type(exc).__name__, exc)
+                self.flash = False
         if staged_max_tokens is None:  # flash builds no mask: every bucket can run staged
             staged_max_tokens = 2**62 if self.flash else DEFAULT_STAGED_MAX_TOKENS
         self.staged_max_tokens = staged_max_tokens
         # (with flash the one bound is a session's cache capacity: see _runner_for)
         bounds = () if self.flash else tuple(kv_bounds) if kv_bounds is not None else DEFAULT_KV_BOUNDS
-        if self.flash and staged and kv_bounds is not None:
+        if self.flash and kv_bounds is not None:
             log.info("bcg: the staged attention runs flash, whose work follows each step's keys: kv_bounds %s "
                      "unused, one form per bucket reads up to the cache's capacity", tuple(kv_bounds))
         self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
         self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
-        #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
-        self.kernel_load_s = 0.0
-        if staged and self.flash:
-            param = next(model.parameters())
-            self.kernel_load_s = load_kernel(param.device, param.dtype, *_kv_shape(model.config))
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
         self.runner: bcg.GraphRunner | None = None
@@ -136,6 +141,10 @@ class ContinuousBatchingGraphs:
         the graphs read the cache's tensors and the static indices at their addresses."""
         if self.runner is not None and cache is self._cache:
             return self.runner
+        windows = {w for w in cache.sliding_windows.values() if w != 1}  # transformers: 1 is full attention
+        if windows:
+            raise NotImplementedError(f"bcg.integrations.transformers: sliding-window attention (windows {sorted(windows)}) "
+                                      "is not supported: the staged and plain attention are full attention")
         self.release()
         self._cache = cache
         self.sessions += 1
