@@ -160,6 +160,8 @@ CASES = [
     _case("runner-variants", lambda: _runner(f, [4], variants=1), TypeError, "variants", "1 (int)", _R),
     _case("runner-ranks", lambda: _runner(f, [4], ranks=2), TypeError, "ranks", "2 (int)", _R),
     _case("runner-lazy", lambda: _runner(f, [4], lazy="yes"), TypeError, "lazy", "'yes' (str)", _R),
+    _case("runner-lazy-zero", lambda: _runner(f, [4], lazy=0), ValueError, "lazy", "0 (int)", _R),
+    _case("runner-lazy-float", lambda: _runner(f, [4], lazy=2.0), TypeError, "lazy", "2.0 (float)", _R),
     # -- bcg.StagingBuffer ------------------------------------------------------------------------
     _case("staging-shape-str", lambda: bcg.StagingBuffer("4"), TypeError, "shape", "'4' (str)", _SB),
     _case("staging-shape-none", lambda: bcg.StagingBuffer(None), TypeError, "shape", "None", _SB),

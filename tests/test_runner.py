@@ -168,6 +168,35 @@ def test_a_lazy_runner_serves_without_capture_and_captures_each_bucket_at_its_fi
     assert runner.stats()["fallbacks"]["not_captured_yet"] == 2 and runner.stats()["replays"][4] == 1
 
 
+def test_a_runner_lazy_k_captures_a_bucket_at_its_kth_call_only() -> None:
+    """lazy=3: a bucket's first two calls run eagerly and capture nothing, its third runs eagerly
+    and captures it, its fourth replays; another bucket keeps its own count; reset() starts over."""
+    model = _llama()
+    runner = _runner(model, [4, 8, 16], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live, lazy=3)
+    gen = torch.Generator()
+    gen.seed()  # fresh inputs each run
+
+    def call(T: int) -> None:
+        x, pos = torch.randn(T, HIDDEN, generator=gen), torch.arange(T)
+        y = runner(x, pos, live=_live(T))
+        with bcg.live_scope(_live(T)), torch.no_grad():
+            torch.testing.assert_close(y, model(x, pos), rtol=1e-5, atol=1e-5)
+
+    for k, T in enumerate((6, 7), start=1):
+        call(T)
+        assert runner.captured_buckets == [] and runner.stats()["fallbacks"]["not_captured_yet"] == k
+    call(12)  # bucket 16's first call: bucket 8's count is its own
+    assert runner.captured_buckets == []
+    call(5)  # bucket 8's third call: captured after it
+    stats = runner.stats()
+    assert runner.captured_buckets == [8] and stats["captures"]["lazy"] == 1 and stats["fallbacks"]["not_captured_yet"] == 4
+    call(8)
+    assert runner.stats()["replays"][8] == 1
+    runner.reset()
+    call(6)
+    assert runner.captured_buckets == []
+
+
 def test_a_lazy_runners_input_buffers_exist_before_any_call() -> None:
     model = _llama()
     runner = _runner(model, [4, 8], (torch.randn(5, HIDDEN), torch.arange(5)), live=_live, lazy=True)

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import bcg  # noqa: E402
 import bcg.integrations.transformers as bcg_transformers  # noqa: E402
 
 from .cb_models import fresh_seed, generate, prompts, tiny_llama  # noqa: E402
@@ -57,6 +58,36 @@ def test_a_second_session_gets_new_graphs_and_equal_tokens() -> None:
     assert graphs.stats()["sessions"] == 2
 
 
+def test_a_bucket_is_captured_at_its_second_step() -> None:
+    """A bucket's first step runs eagerly and captures nothing; its second captures it: a step
+    size seen once gets no graph."""
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 12, 1, 90, VOCAB)
+    expected = generate(model, requests, 6, **CB)
+    graphs = bcg_transformers.enable(model)
+    steps: list[int] = []
+    forward = model.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        if kwargs.get("cache") is not None:
+            steps.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    assert generate(model, requests, 6, **CB) == expected
+    per_bucket: dict[int, int] = {}
+    for T in steps:
+        bucket = graphs.runner.bucket_for(T)
+        per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
+    assert 1 in per_bucket.values() and max(per_bucket.values()) > 2  # the check below can fail both ways
+    stats = graphs.stats()
+    assert stats["captured_buckets"] == sorted(b for b, calls in per_bucket.items() if calls >= 2)
+    assert stats["fallbacks"]["not_captured_yet"] == sum(min(calls, 2) for calls in per_bucket.values())
+    del model.forward
+    graphs.disable()
+
+
 def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
     seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
@@ -90,6 +121,10 @@ def test_defaults_without_flash_keep_the_masked_staged_attention() -> None:
     assert graphs.flash is False
     assert graphs.staged_max_tokens == bcg_transformers.DEFAULT_STAGED_MAX_TOKENS
     assert graphs.attention.kv_bounds == bcg_transformers.DEFAULT_KV_BOUNDS
+    requests = prompts(fresh_seed(), 6, 1, 40, VOCAB)
+    generate(model, requests, 4, **CB)
+    # the masked attention's ladder starts at 8 (its work follows the bucket's rows)
+    assert graphs.runner.buckets == bcg.runner.default_buckets(CB["max_batch_tokens"], min_tokens=8)
     graphs.disable()
     graphs = bcg_transformers.enable(model, staged_max_tokens=64, kv_bounds=(128,))
     assert graphs.staged_max_tokens == 64 and graphs.attention.kv_bounds == (128,)
@@ -169,6 +204,15 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
         for tokens in (8, 64):
             tiers = graphs._capture_live(tokens)
             assert not tiers.breakable and list(tiers) == [CaptureMeta(capacity)]
+        assert graphs.runner.buckets == [64]  # the first bucket is cut to the cache's max_batch_tokens
+        graphs.disable()
+    # the default ladder: FLASH_MIN_BUCKET, then doubling up to max_batch_tokens (padding below it
+    # costs the matmuls nothing); a ladder passed is kept
+    for asked, expected in ((None, [128, 256, 512, 1000]), ([8, 64, 1000], [8, 64, 1000])):
+        graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB), buckets=asked, mode="eager")
+        wide = SimpleNamespace(**{**vars(cache), "max_batch_tokens": 1000})
+        graphs._runner_for(wide, ids)
+        assert graphs.runner.buckets == expected
         graphs.disable()
 
 

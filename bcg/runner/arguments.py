@@ -59,7 +59,8 @@ def check_runner_arguments(
         # (an object with RankAgreement's methods passes: tests stand in for a peer that way)
         fail(_WHERE, "ranks", "None or a bcg.distributed.RankAgreement", ranks,
              "construct RankAgreement() on every rank, in the same order")
-    check_bool(_WHERE, "lazy", lazy)
+    if not isinstance(lazy, bool):
+        check_int(_WHERE, "lazy", lazy, minimum=1, hint="True, False, or the call of a bucket that captures it")
 
 
 def _check_buckets(buckets: Any) -> None:

@@ -86,7 +86,9 @@ class GraphRunner:
         mode: ``"graph"``, or ``"eager"`` (same buckets, padding and slicing, no graphs;
             the fallback where CUDA is not available).
         lazy: ``capture()`` becomes optional: a call whose bucket is not captured runs
-            ``forward`` eagerly, then captures that bucket before it returns.
+            ``forward`` eagerly, then captures that bucket before it returns. An int ``k``:
+            a bucket's first ``k - 1`` calls only run eagerly, the ``k``-th also captures it
+            (``True`` is 1), so sizes seen fewer than ``k`` times get no graph.
         max_padding_ratio: run eagerly when ``(bucket - T) / bucket`` exceeds it (default
             ``None``: never).
         copy_outputs: ``True`` returns copies, ``False`` views valid until the next call,
@@ -108,7 +110,7 @@ class GraphRunner:
         self, forward: Callable[..., Any], buckets: Sequence[int] | None = None, *,
         example_inputs: Sequence[Any], pad_dim: int | Sequence[int | None] = 0, live: Any = UNSET,
         pool: PoolHandle | None = None, stream: torch.cuda.Stream | None = None, capture_error_mode: str = "global",
-        variants: VariantPolicy | None = None, debug: Debug | None = None, mode: str = "graph", lazy: bool = False,
+        variants: VariantPolicy | None = None, debug: Debug | None = None, mode: str = "graph", lazy: bool | int = False,
         max_padding_ratio: float | None = None, copy_outputs: bool | None = None, sanitize: bool = True,
         progress: bool = True, name: str | None = None, ranks: RankAgreement | None = None,
     ) -> None:
@@ -136,7 +138,7 @@ class GraphRunner:
         self._ladder = Ladder(forward, self.name, sizes, self._inputs, self._device, self._lock, mode=mode,
                               live=live, sanitize=sanitize, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode, variants=variants, debug=debug, ranks=ranks)
-        self._schedule = CaptureSchedule(self._ladder, self._lock, lazy=lazy, progress=progress)
+        self._schedule = CaptureSchedule(self._ladder, self._lock, lazy=int(lazy), progress=progress)
         self._counts_lock = threading.Lock()  # fallbacks are counted by calls outside the call lock too
         self._clear_counts()
 

@@ -64,6 +64,7 @@ class Bucket:
     own_pool: PoolLease | None = None
     capture_s: float = 0.0
     replays: int = 0
+    eager_calls: int = 0  # lazy: calls that ran eagerly since it was last captured or freed
     sliced: dict[int, list[Any]] = field(default_factory=dict)  # graph mode: T -> the leaves' views
 
     def slice(self, leaves: list[Any], T: int, copy: bool, keep: bool) -> Any:
@@ -99,6 +100,7 @@ class Bucket:
         output views that lived there."""
         self.leaves = None
         self.sliced.clear()
+        self.eager_calls = 0
         if self.graph is not None:
             self.graph.reset()
             self.graph = None

@@ -40,11 +40,12 @@ class CaptureSchedule:
     Arguments:
         ladder: the buckets and how each is captured.
         lock: the call lock of the runner's pool.
-        lazy: a call whose bucket is not captured captures it after it runs.
+        lazy: ``0``: not lazy; ``k``: a call whose bucket is not captured runs eagerly, and the
+            ``k``-th such call of a bucket captures it after it runs.
         progress: show a tqdm bar while :meth:`capture` captures.
     """
 
-    def __init__(self, ladder: Ladder, lock: PoolCallLock, *, lazy: bool, progress: bool) -> None:
+    def __init__(self, ladder: Ladder, lock: PoolCallLock, *, lazy: int, progress: bool) -> None:
         self._ladder = ladder
         self.lock = lock
         self.lazy = lazy
@@ -104,12 +105,16 @@ class CaptureSchedule:
 
     # -- lazily ------------------------------------------------------------------------------
     def capture_after_call(self, bucket: Bucket) -> None:
-        """``lazy=True``: capture ``bucket`` after a call that ran eagerly (the call lock is held).
+        """A lazy runner: capture ``bucket`` after a call that ran eagerly (the call lock is held),
+        if it is the bucket's ``lazy``-th such call.
 
         The first bucket, unless it is the largest, goes into a pool of its own, with no run at
         the largest size before it and without its staged tiers (the first call returns sooner).
         The next lazy capture lays the runner's pool out for the largest bucket, captures its
         bucket, and captures the first one again, whole, into that pool (its own is freed)."""
+        bucket.eager_calls += 1
+        if bucket.eager_calls < self.lazy:
+            return
         ladder = self._ladder
         with ladder.capturing(), ladder.on_device():
             t_start = time.perf_counter()

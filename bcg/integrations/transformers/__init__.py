@@ -18,10 +18,11 @@ from bcg.integrations.transformers.graphs import (
     BASES,
     DEFAULT_KV_BOUNDS,
     DEFAULT_STAGED_MAX_TOKENS,
+    FLASH_MIN_BUCKET,
     ContinuousBatchingGraphs,
 )
 
-__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "ContinuousBatchingGraphs",
+__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_MIN_BUCKET", "ContinuousBatchingGraphs",
            "divergence", "enable"]
 
 
@@ -34,8 +35,10 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
         model: a transformers causal LM whose forward is ``base_model`` then the output embeddings
             (Llama and its kind), with attention ``"paged|sdpa"`` or ``"paged|eager"`` (set with
             ``model.set_attn_implementation``), full attention only (no sliding-window layers).
-        buckets: the token buckets (default: ``bcg.runner.default_buckets`` up to the CB cache's
-            ``max_batch_tokens``, from 8). Captured lazily, each at its first step.
+        buckets: the token buckets. Default: up to the CB cache's ``max_batch_tokens``,
+            ``bcg.runner.geometric_buckets`` from ``FLASH_MIN_BUCKET`` where the staged attention
+            runs flash (see ``kv_bounds``), else ``bcg.runner.default_buckets`` from 8. Captured
+            lazily, each at its second step (its first runs eagerly).
         staged: run the attention inline in the graph where a step fits (default); ``False``:
             a plain breakpoint, run eagerly at every replay.
         kv_bounds: ascending bounds on the keys one step reads (all its requests' context

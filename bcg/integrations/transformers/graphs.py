@@ -6,7 +6,8 @@ per step and does everything else itself (scheduling, the paged cache and its in
 processing, sampling, async batching). A call that carries a ``PagedAttentionCache`` runs:
 
 1. the decoder (``model.base_model``) through a lazy :class:`bcg.GraphRunner` bucketed on the
-   step's token count, with the attention a breakpoint (:mod:`.attention`);
+   step's token count, with the attention a breakpoint (:mod:`.attention`), each bucket captured
+   at its second step;
 2. the LM head eagerly on the rows transformers asks for (``logits_to_keep``), as
    ``LlamaForCausalLM`` does.
 
@@ -38,6 +39,16 @@ DEFAULT_KV_BOUNDS = (4096, 16384, 65536)
 #: Buckets above it run the attention as a plain breakpoint, where it runs with a dense mask
 #: (whose size follows the bucket's rows times the bound).
 DEFAULT_STAGED_MAX_TOKENS = 512
+#: The smallest default bucket where the staged attention runs flash. Its work follows each step's
+#: real rows and keys, so a bucket's padded rows cost only the token-shaped matmuls, which up to
+#: about this many rows take the time of reading their weights (memory-bound in half precision
+#: on sm80 and newer): smaller buckets would add graphs, not speed. (The masked attention's work
+#: follows the bucket's rows, so its ladder starts at 8.)
+FLASH_MIN_BUCKET = 128
+#: A bucket is captured at its second step (the first runs eagerly), as torch's CUDA graph trees
+#: record a function at its second call: a step size seen once (a drained queue's last prefill
+#: chunk) gets no graph.
+CAPTURE_AT_STEP = 2
 
 
 class ContinuousBatchingGraphs:
@@ -149,9 +160,12 @@ class ContinuousBatchingGraphs:
         self._cache = cache
         self.sessions += 1
         max_tokens = cache.max_batch_tokens
-        buckets = self._buckets or bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
-        if buckets[-1] < max_tokens and self._buckets is None:
-            buckets = [*buckets, max_tokens]
+        if self._buckets is not None:
+            buckets = self._buckets
+        elif self.flash:
+            buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens), max_tokens)
+        else:
+            buckets = bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
         # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
         # above that is cut to it, so the last tier holds every step
         capacity = cache.num_pages + max_tokens
@@ -165,7 +179,7 @@ class ContinuousBatchingGraphs:
         mode = self._mode or ("graph" if input_ids.is_cuda else "eager")
         example = torch.zeros(1, buckets[0], dtype=input_ids.dtype, device=input_ids.device)
         self.runner = bcg.GraphRunner(self._decoder, buckets, example_inputs=(example, example.clone()), pad_dim=1,
-                                      live=self._capture_live, mode=mode, lazy=True, progress=False,
+                                      live=self._capture_live, mode=mode, lazy=CAPTURE_AT_STEP, progress=False,
                                       name="transformers_cb")
         log.info("bcg: transformers continuous batching through GraphRunner (mode %s, buckets %s, staged %s)",
                  mode, buckets, self.attention.indices is not None)
