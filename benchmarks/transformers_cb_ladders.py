@@ -1,0 +1,87 @@
+"""Bucket ladders for bcg in transformers' continuous batching, side by side in one process.
+
+``benchmarks/transformers_cb.py``'s workload and bcg mode, one model (the same seeded weights) per
+ladder, ``enable(model, buckets=ladder)``: every ladder's first run (which captures), then
+``--runs`` rounds of one timed run per ladder, the order rotated each round. Reports per ladder
+tokens/s paired round by round to the default ladder (a second default, ``default-again``, is
+the run's A/A noise), TTFT, the buckets captured, seconds capturing and the steps that ran eagerly
+before their bucket was captured, and the step sizes the loop asked for. Writes JSON.
+
+Run on a GPU: ``python benchmarks/transformers_cb_ladders.py --runs 6 --out ladders.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import statistics
+from typing import Any
+
+import torch
+
+import bcg.integrations.transformers as bcg_transformers
+from bcg.runner import default_buckets
+
+import transformers_cb as tcb
+
+LADDERS: dict[str, list[int] | None] = {
+    "default": None, "default-again": None, "x4-from-128": [128, 512, 2048], "from-8": default_buckets(2048, 8),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--runs", type=int, default=6)
+    p.add_argument("--out", default="ladders.json")
+    cli = p.parse_args()
+    args = argparse.Namespace(layers=16, hidden=2048, heads=32, kv_heads=8, inter=8192, vocab=128256, requests=64,
+                              min_prompt=16, max_prompt=1024, new_tokens=128, block_size=256, max_batch_tokens=2048,
+                              attention="paged|sdpa", seed=0, plain=False, runs=cli.runs)
+    logging.basicConfig(level=logging.WARNING)
+    prompts = tcb.seeded_prompts(args)
+    modes, steps = [], []
+    for name, ladder in LADDERS.items():
+        mode = tcb.Mode("bcg", args, torch.device("cuda"), torch.bfloat16)
+        mode.handle.disable()
+        mode.handle = bcg_transformers.enable(mode.model, buckets=ladder)
+        mode.name = name
+        modes.append(mode)
+    forward = modes[0].model.forward
+
+    def counted(*a: Any, **k: Any) -> Any:  # the step sizes (the same for every ladder)
+        if k.get("cache") is not None:
+            steps.append(k["input_ids"].shape[1])
+        return forward(*a, **k)
+
+    modes[0].model.forward = counted
+    for mode in modes:
+        mode.first = mode.run(prompts, args)
+    for k in range(args.runs):
+        for mode in modes[k % len(modes):] + modes[: k % len(modes)]:
+            mode.timed.append(mode.run(prompts, args))
+    timer = tcb.CaptureTimer()
+    out: dict[str, Any] = {"step_sizes": sorted(collections.Counter(steps).items()), "ladders": {}}
+    for mode in modes:
+        r = mode.result(timer)
+        r.pop("tokens")
+        stats = mode.handle.runner.stats()
+        r.update(paired_to_default=[a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mode.timed, modes[0].timed)],
+                 buckets=mode.handle.runner.buckets, captured_buckets=stats["captured_buckets"],
+                 eager_before_capture=stats["fallbacks"]["not_captured_yet"])
+        out["ladders"][mode.name] = r
+        print(f"{mode.name:>14}: {statistics.median(r['tokens_per_s']):7.0f} tok/s, paired "
+              f"{' '.join('%.3f' % x for x in r['paired_to_default'])}; TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms; "
+              f"graphs {r['captured_buckets']} in {r['capture_s']:.2f} s; eager before capture "
+              f"{r['eager_before_capture']}", flush=True)
+    print("step sizes (all runs):", out["step_sizes"])
+    with open(cli.out, "w") as f:
+        json.dump(out, f, indent=1)
+    timer.close()
+    for mode in modes:
+        mode.close()
+
+
+if __name__ == "__main__":
+    main()
