@@ -228,14 +228,18 @@ def test_staged_tiers_run_the_fewest_slots_that_fit_and_stay_bit_identical() -> 
     staging = TieredStaging()
     block = Block(_make_attention(staging), layers=2)
     buckets = [32, 128]
+    asked: dict[int, int] = {}
 
     def tiers(n: int) -> bcg.StagedTiers:
+        asked[n] = asked.get(n, 0) + 1
         rng = random.Random(n)
         return bcg.StagedTiers(*(Meta(_lengths(rng, n, min(k, n)), slots=k) for k in (1, 2)), _capture_meta(n))
 
     runner = _runner(block, buckets, live=tiers)
     for n in buckets:
         assert [f.name for f in runner.graph(n).forms] == ["tier 0", "tier 1", "inline", "breakable"]
+    # a bucket's capture (warm-up, forms, tiers) asks live once; 32 is also the probe run's size
+    assert asked == {32: 2, 128: 1}, asked
     rng = random.Random(3)
     ran = {1: 0, 2: 0}
     for i in range(60):

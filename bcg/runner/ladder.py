@@ -110,6 +110,24 @@ class Bucket:
             release_when_safe(torch.cuda.empty_cache)  # the pool's blocks go back to the driver
 
 
+@dataclass(frozen=True)
+class BucketLives:
+    """What ``live`` gives one bucket at its capture, asked once: ``values``, its staged tiers'
+    (if any) and its own last; ``breakable``, whether its staged graph gets a breakable form
+    (always with ranks)."""
+
+    values: tuple[Any, ...]
+    breakable: bool
+
+    @property
+    def own(self) -> Any:
+        return self.values[-1]
+
+    @property
+    def tiers(self) -> tuple[Any, ...]:
+        return self.values[:-1]
+
+
 class Ladder:
     """The buckets of a :class:`bcg.GraphRunner`, captured into one pool on one capture stream.
 
@@ -206,18 +224,12 @@ class Ladder:
         live = self._live
         return live(n) if callable(live) else live
 
-    def _lives_for(self, n: int) -> tuple[Any, ...]:
-        """The capture-time live values of bucket ``n``: its staged tiers' (if any), its own last."""
+    def _lives_for(self, n: int) -> BucketLives:
+        """What ``live`` gives size ``n``, asked once (a capture runs every form on these values)."""
         live = self._live_value(n)
-        return tuple(live) if isinstance(live, StagedTiers) else (live,)
-
-    def _live_for(self, n: int) -> Any:
-        return self._lives_for(n)[-1]
-
-    def _breakable_for(self, n: int) -> bool:
-        """Whether bucket ``n``'s staged graph gets its breakable form (always with ranks)."""
-        live = self._live_value(n)
-        return self.ranks is not None or not isinstance(live, StagedTiers) or live.breakable
+        if isinstance(live, StagedTiers):
+            return BucketLives(tuple(live), self.ranks is not None or live.breakable)
+        return BucketLives((live,), True)
 
     # -- runs --------------------------------------------------------------------------------
     def padded_forward(self, n: int, views: list[Any]) -> Any:
@@ -231,15 +243,16 @@ class Ladder:
         with recording(recorder, live), torch.no_grad():
             return self.padded_forward(n, views)
 
-    def run_recorded(self, n: int, observe: bool = False) -> Any:
+    def run_recorded(self, n: int, observe: bool = False, lives: BucketLives | None = None) -> Any:
         """A warm-up (or probe) run at size ``n`` on example data: records how to sanitize, and shapes.
 
         ``observe``: staged breakpoints run their breakable form (a probe run that only tells
-        which dims grow: see :class:`CrossingRecorder`)."""
+        which dims grow: see :class:`CrossingRecorder`). ``lives``: what ``live`` gave ``n``
+        (default: asked now); the run takes the bucket's own."""
         static, sanitizer = self.setup()
         views = static.load_example(n)
         sanitizer.set_rows(n)
-        live = self._live_for(n)
+        live = (lives if lives is not None else self._lives_for(n)).own
         generator = torch.cuda.default_generators[self.device.index or 0] if self.mode == "graph" else None
         offset = generator.get_offset() if generator is not None else 0
         with self.recording(n, observe) as recorder:
@@ -383,7 +396,8 @@ class Ladder:
 
     def _capture_bucket(self, bucket: Bucket) -> None:
         n = bucket.size
-        out = self.run_recorded(n)  # the warm-up, on the capture stream
+        lives = self._lives_for(n)
+        out = self.run_recorded(n, lives=lives)  # the warm-up, on the capture stream
         assert self.static is not None
         bucket.views = self.static.views(n)
         if self.mode == "eager":
@@ -394,7 +408,7 @@ class Ladder:
         bucket.graph = graph
         pool = bucket.own_pool.pool if bucket.own_pool is not None else self.pool
         assert pool is not None
-        out = self._capture_graph(graph, n, self._live_for(n), pool=pool)
+        out = self._capture_graph(graph, n, lives.own, pool=pool)
         # The static outputs live in the pool; hold them through non-owning aliases so the
         # buckets captured next reuse their memory (outputs are valid until the next call).
         membership = PoolMembership(pool, self.device.index or 0)
@@ -402,13 +416,12 @@ class Ladder:
         if graph.staged:
             # The breakable form, for calls whose metadata does not fit, captured while the
             # inline form's outputs are held; a replay of it copies its outputs into those.
-            if self._breakable_for(n):
-                self._capture_graph(graph, n, self._live_for(n), form="breakable", pool=pool,
-                                    release=membership.release)
+            if lives.breakable:
+                self._capture_graph(graph, n, lives.own, form="breakable", pool=pool, release=membership.release)
             # A bucket in a pool of its own (a lazy runner's first) is captured again at the next
             # capture: its tiers (calls with fewer requests run faster) come then, not before
             # the first result.
-            tier_lives = self._lives_for(n)[:-1] if bucket.own_pool is None else ()
+            tier_lives = lives.tiers if bucket.own_pool is None else ()
             if tier_lives and self._barrier is not None:
                 # Every rank has the bucket's graph and breakable form before any tier's eager
                 # warm-up (with collectives) runs: a rank that failed after its last vote cast
@@ -523,7 +536,7 @@ class Ladder:
             self.run_recorded(n)
         pool = graph_pool_handle()
         graph = BreakableGraph()
-        out = self._capture_graph(graph, n, self._live_for(n), pool=pool)
+        out = self._capture_graph(graph, n, self._lives_for(n).own, pool=pool)
         try:
             size = pool_bytes(pool, self.device.index)
         finally:
