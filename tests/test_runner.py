@@ -189,7 +189,8 @@ def test_a_runner_lazy_k_captures_a_bucket_at_its_kth_call_only() -> None:
     assert runner.captured_buckets == []
     call(5)  # bucket 8's third call: captured after it
     stats = runner.stats()
-    assert runner.captured_buckets == [8] and stats["captures"]["lazy"] == 1 and stats["fallbacks"]["not_captured_yet"] == 4
+    assert runner.captured_buckets == [8] and stats["captures"]["lazy"] == 1
+    assert stats["fallbacks"]["not_captured_yet"] == 4
     call(8)
     assert runner.stats()["replays"][8] == 1
     runner.reset()

@@ -110,9 +110,9 @@ class GraphRunner:
         self, forward: Callable[..., Any], buckets: Sequence[int] | None = None, *,
         example_inputs: Sequence[Any], pad_dim: int | Sequence[int | None] = 0, live: Any = UNSET,
         pool: PoolHandle | None = None, stream: torch.cuda.Stream | None = None, capture_error_mode: str = "global",
-        variants: VariantPolicy | None = None, debug: Debug | None = None, mode: str = "graph", lazy: bool | int = False,
-        max_padding_ratio: float | None = None, copy_outputs: bool | None = None, sanitize: bool = True,
-        progress: bool = True, name: str | None = None, ranks: RankAgreement | None = None,
+        variants: VariantPolicy | None = None, debug: Debug | None = None, mode: str = "graph",
+        lazy: bool | int = False, max_padding_ratio: float | None = None, copy_outputs: bool | None = None,
+        sanitize: bool = True, progress: bool = True, name: str | None = None, ranks: RankAgreement | None = None,
     ) -> None:
         check_runner_arguments(forward, buckets, example_inputs, pad_dim, mode, max_padding_ratio, copy_outputs,
                                sanitize, pool, stream, capture_error_mode, progress, name, variants, debug, ranks,
