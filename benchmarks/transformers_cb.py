@@ -258,7 +258,8 @@ def draw(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    """The script's options (the workload, the modes, the output), with their defaults."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
@@ -280,6 +281,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="4 layers, 16 requests, prompts up to 256, 32 tokens")
     p.add_argument("--out", default="benchmarks/results/transformers_cb")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser()
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1 (the timed rounds)")

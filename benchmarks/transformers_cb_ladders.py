@@ -36,14 +36,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=6)
     p.add_argument("--out", default="ladders.json")
     cli = p.parse_args()
-    args = argparse.Namespace(layers=16, hidden=2048, heads=32, kv_heads=8, inter=8192, vocab=128256, requests=64,
-                              min_prompt=16, max_prompt=1024, new_tokens=128, block_size=256, max_batch_tokens=2048,
-                              attention="paged|sdpa", seed=0, plain=False, runs=cli.runs)
+    args = tcb.parser().parse_args(["--runs", str(cli.runs)])  # transformers_cb.py's workload, its defaults
     logging.basicConfig(level=logging.WARNING)
     prompts = tcb.seeded_prompts(args)
     modes, steps = [], []
     for name, ladder in LADDERS.items():
-        mode = tcb.Mode("bcg", args, torch.device("cuda"), torch.bfloat16)
+        mode = tcb.Mode("bcg", args, torch.device("cuda"), getattr(torch, args.dtype))
         mode.handle.disable()
         mode.handle = bcg_transformers.enable(mode.model, buckets=ladder)
         mode.name = name
