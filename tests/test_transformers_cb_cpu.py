@@ -113,15 +113,106 @@ def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
     model.set_attn_implementation("sdpa")  # not a CB call: the model's own forward
     torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
     model.set_attn_implementation("paged|sdpa")
+    assert "forward" in vars(model.base_model)
     graphs.disable()
-    assert "forward" not in vars(model) and graphs.stats()["steps"] == 0
+    assert "forward" not in vars(model) and "forward" not in vars(model.base_model) and graphs.stats()["steps"] == 0
+
+
+# Causal LMs whose head is more than the output embeddings (Granite and Cohere scale the logits),
+# or whose decoder differs from Llama's (Qwen3's and OLMo2's query/key norms, Gemma's scaled
+# embeddings), each with the config values that make the difference show
+ARCHITECTURES = {
+    "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "Granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                                                        "residual_multiplier": 0.5, "attention_multiplier": 0.3}),
+    "Cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.25}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "Gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) -> None:
+    """The model's own forward keeps its head: logits_to_keep, and any scaling of the logits (which
+    greedy tokens would not show, its logprobs do)."""
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    seed = fresh_seed()
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=16, max_position_embeddings=4096, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.set_attn_implementation("paged|sdpa")
+    requests = prompts(seed, 10, 1, 60, VOCAB)
+    generation = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def generate_with_logprobs() -> dict[str, tuple[list[int], list[float]]]:
+        cb = ContinuousBatchingConfig(**CB, return_logprobs=True)
+        out = model.generate_batch(requests, generation_config=generation, continuous_batching_config=cb)
+        return {rid: (list(o.generated_tokens), list(o.logprobs)) for rid, o in out.items()}
+
+    expected = generate_with_logprobs()
+    graphs = bcg_transformers.enable(model)
+    got = generate_with_logprobs()
+    assert graphs.stats()["steps"] > 0
+    assert got.keys() == expected.keys()
+    for rid, (tokens, logprobs) in expected.items():
+        assert got[rid][0] == tokens, f"request {rid}"
+        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(logprobs), rtol=1e-5, atol=1e-5)
+    graphs.disable()
+
+
+def test_a_model_left_at_sdpa_runs_its_cb_sessions_on_bcg_and_keeps_sdpa() -> None:
+    """transformers' CB switches a model at "sdpa" to "paged|sdpa" for a session and back when it
+    stops: enable() takes such a model, and its other forwards stay transformers' sdpa."""
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    model.set_attn_implementation("sdpa")
+    requests = prompts(seed, 10, 1, 60, VOCAB)
+    expected = generate(model, requests, 5, **CB)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    logits = model(input_ids=ids).logits
+    graphs = bcg_transformers.enable(model)
+    assert generate(model, requests, 5, **CB) == expected
+    assert graphs.stats()["steps"] > 0 and graphs.attention.runs["staged"] > 0
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(model(input_ids=ids).logits, logits, rtol=0, atol=0)
+    graphs.disable()
+
+
+def test_a_session_with_another_attention_than_enable_saw_is_refused() -> None:
+    """Where flash-attn is installed, transformers switches a model at "sdpa" to
+    "paged|flash_attention_2": the session's first step says what to set."""
+    from types import SimpleNamespace
+
+    model = tiny_llama(0, vocab=VOCAB)
+    model.set_attn_implementation("sdpa")
+    graphs = bcg_transformers.enable(model)
+    model.set_attn_implementation("paged|eager")  # (the switch, as transformers would make it)
+    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)], write_trash_index=0,
+                            read_trash_index=1, sliding_windows={0: 1, 1: 1})
+    with pytest.raises(ValueError, match="'paged\\|eager'.*set_attn_implementation\\('paged\\|sdpa'\\)"):
+        graphs._runner_for(cache, torch.zeros(1, 8, dtype=torch.long))
+    assert graphs.runner is None and graphs.sessions == 0
+    graphs.disable()
 
 
 def test_enable_refuses_what_it_cannot_run() -> None:
+    from bcg.integrations.transformers.graphs import _paged_base
+
     model = tiny_llama(0, vocab=VOCAB)
-    model.set_attn_implementation("sdpa")
-    with pytest.raises(ValueError, match="paged\\|sdpa"):
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="attention is 'flex_attention'.*'sdpa'"):
         bcg_transformers.enable(model)
+    assert "forward" not in vars(model.base_model)
+    with pytest.raises(ValueError, match="attention is 'paged[|]flash_attention_2'"):
+        _paged_base("paged|flash_attention_2")  # (setting it needs the flash-attn package)
+    assert [_paged_base(n) for n in ("sdpa", "eager", "paged|sdpa", "paged|eager")] == [
+        "paged|sdpa", "paged|eager", "paged|sdpa", "paged|eager"]
     model.set_attn_implementation("paged|eager")
     with pytest.raises(ValueError, match="kv_bounds"):
         bcg_transformers.enable(model, kv_bounds=(4096, 1024))
@@ -277,3 +368,47 @@ def test_a_flash_setup_refuses_a_model_cast_after_enable() -> None:
         with pytest.raises(RuntimeError, match=r"disable\(\) and enable\(\) again"):
             attention._attend(q, kv, kv, torch.empty(1, 8, 4, 16), 0)
     assert attention.runs["flash"] == 0
+
+
+def test_the_manager_streams_requests_added_while_it_runs() -> None:
+    """transformers' ``ContinuousBatchingManager`` (the engine behind ``transformers serve``): its
+    background thread runs the steps through bcg, requests added while it runs are streamed token
+    by token, and each request's tokens equal transformers' own."""
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 8, 1, 60, VOCAB)
+    new_tokens = 6
+
+    def serve() -> dict[str, list[list[int]]]:
+        generation = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                                                   pad_token_id=0)
+        manager = model.init_continuous_batching(generation_config=generation,
+                                                 continuous_batching_config=ContinuousBatchingConfig(**CB))
+        manager.start()
+        streamed: dict[str, list[list[int]]] = {}
+        try:
+            for i, request in enumerate(requests):
+                manager.add_request(request, request_id=f"r{i}", max_new_tokens=new_tokens, streaming=True)
+            finished = 0
+            while finished < len(requests):
+                out = manager.get_result(timeout=60)
+                assert out is not None and out.error is None, out
+                streamed.setdefault(out.request_id, []).append(list(out.generated_tokens))
+                finished += out.is_finished()
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+        return streamed
+
+    expected = serve()
+    graphs = bcg_transformers.enable(model)
+    got = serve()
+    assert graphs.stats()["steps"] > 0
+    assert {rid: s[-1] for rid, s in got.items()} == {rid: s[-1] for rid, s in expected.items()}
+    for rid, stream in got.items():  # each streamed result holds the tokens so far
+        assert len(stream[-1]) == new_tokens and all(stream[-1][: len(s)] == s for s in stream), rid
+    assert max(map(len, got.values())) > 1  # the tokens came in more than one result
+    graphs.disable()

@@ -32,9 +32,10 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     """Run ``model``'s continuous-batching forward through a bcg :class:`bcg.GraphRunner`.
 
     Arguments:
-        model: a transformers causal LM whose forward is ``base_model`` then the output embeddings
-            (Llama and its kind), with attention ``"paged|sdpa"`` or ``"paged|eager"`` (set with
-            ``model.set_attn_implementation``), full attention only (no sliding-window layers).
+        model: a transformers causal LM whose forward passes the CB arguments to its
+            ``base_model`` (Llama and its kind; its head stays its own), with attention ``"sdpa"`` or ``"eager"`` (which transformers'
+            CB runs as ``"paged|sdpa"`` and ``"paged|eager"``), or one of those two, full attention
+            only (no sliding-window layers).
         buckets: the token buckets. Default: up to the CB cache's ``max_batch_tokens``,
             ``bcg.runner.geometric_buckets`` from ``FLASH_MIN_BUCKET`` where the staged attention
             runs flash (see ``kv_bounds``), else ``bcg.runner.default_buckets`` from 8. Captured
@@ -58,7 +59,9 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
     off for these attention implementations): transformers' own graphs would capture bcg's forward.
     A wrong argument raises ``ValueError`` or ``TypeError``; a model whose attention is not one of
-    those raises ``ValueError``.
+    those raises ``ValueError``, and so does a CB session that transformers runs with another
+    attention (it switches a plain model to ``flash_attention_2`` where that package is installed:
+    set ``"paged|sdpa"`` then).
     """
     if mode not in (None, "graph", "eager"):
         raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")

@@ -1,17 +1,14 @@
 """``ContinuousBatchingGraphs``: transformers' continuous batching with its forward in a bcg ``GraphRunner``.
 
-The one place transformers is wrapped is the model's ``forward`` (an instance attribute, so only
-this model is affected): transformers' ``ModelRunner`` calls ``model(**PagedAttentionArgs)`` once
-per step and does everything else itself (scheduling, the paged cache and its indices, logits
-processing, sampling, async batching). A call that carries a ``PagedAttentionCache`` runs:
-
-1. the decoder (``model.base_model``) through a lazy :class:`bcg.GraphRunner` bucketed on the
-   step's token count, with the attention a breakpoint (:mod:`.attention`), each bucket captured
-   at its second step;
-2. the LM head eagerly on the rows transformers asks for (``logits_to_keep``), as
-   ``LlamaForCausalLM`` does.
-
-Every other call goes to the model's own forward. Tested with transformers 5.17.0.
+The one place transformers is wrapped is the base model's ``forward`` (``model.base_model``, an
+instance attribute, so only this model is affected): transformers' ``ModelRunner`` calls
+``model(**PagedAttentionArgs)`` once per step, the model's own forward passes those to its base
+model and then runs its head, and transformers does everything else itself (scheduling, the
+paged cache and its indices, logits processing, sampling, async batching). A base-model call
+that carries a ``PagedAttentionCache`` runs the decoder through a lazy :class:`bcg.GraphRunner`
+bucketed on the step's token count, with the attention a breakpoint (:mod:`.attention`), each
+bucket captured at its second step. Every other call goes to the base model's own forward.
+Tested with transformers 5.17.0.
 """
 
 from __future__ import annotations
@@ -60,17 +57,16 @@ class ContinuousBatchingGraphs:
     def __init__(self, model: Any, *, buckets: Sequence[int] | None, staged: bool, kv_bounds: Sequence[int] | None,
                  staged_max_tokens: int | None, mode: str | None) -> None:
         import transformers
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import BaseModelOutputWithPast
 
         self.model = model
-        self._output = CausalLMOutputWithPast
+        self._output = BaseModelOutputWithPast
         self._buckets = list(buckets) if buckets is not None else None
         self.staged = staged
         self._mode = mode
-        self.base_name = _attention_name(model)
-        if self.base_name not in BASES:
-            raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {self.base_name!r}; "
-                             f"set one of {BASES} (model.set_attn_implementation('paged|sdpa'))")
+        # transformers' CB runs a model set to "sdpa" or "eager" with its paged form (switched for
+        # each session, and back when it stops): the paged function bcg calls
+        self.base_name = _paged_base(_attention_name(model))
         #: whether the staged attention runs flash on this model (its device, dtype and head dim now)
         self.flash = staged and _flash_model(model)
         #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
@@ -99,15 +95,18 @@ class ContinuousBatchingGraphs:
         self._cache: Any = None  # the CB session (its PagedAttentionCache) the runner's graphs read
         self.steps = 0
         self.sessions = 0
-        # The wrapping: an instance attribute shadows the class's forward for this model only.
-        self._own_forward = model.forward
-        model.forward = self._forward
+        # The wrapping: an instance attribute shadows the base model's class forward for this model
+        # only. The model's own forward calls it, then runs its head (logits_to_keep, and any
+        # scaling or softcapping of the logits) as it does without bcg.
+        self._base = model.base_model
+        self._own_forward = self._base.forward
+        self._base.forward = self._forward
 
     # -- the step ----------------------------------------------------------------------------------
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache")
-        if args or cache is None or "write_index" not in kwargs:
+        if args or cache is None or "write_index" not in kwargs or kwargs.get("input_ids") is None:
             return self._own_forward(*args, **kwargs)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise bcg.CaptureError(
@@ -126,12 +125,7 @@ class ContinuousBatchingGraphs:
                 indices.clear()  # this call may capture: captures must write to the trash only
         hidden = runner(kwargs["input_ids"], kwargs["position_ids"], live=meta)
         self.steps += 1
-        keep = kwargs.get("logits_to_keep")
-        if keep is not None and not isinstance(keep, int):
-            hidden = hidden[:, keep]
-        elif keep:
-            hidden = hidden[:, -keep:]
-        return self._output(logits=self.model.get_output_embeddings()(hidden))
+        return self._output(last_hidden_state=hidden)
 
     def _step_meta(self, kwargs: dict[str, Any]) -> StepMeta:
         write, read = kwargs["write_index"], kwargs["read_index"]
@@ -156,6 +150,10 @@ class ContinuousBatchingGraphs:
         if windows:
             raise NotImplementedError(f"bcg.integrations.transformers: sliding-window attention (windows {sorted(windows)}) "
                                       "is not supported: the staged and plain attention are full attention")
+        if _attention_name(self.model) != self.base_name:
+            raise ValueError(f"bcg.integrations.transformers: transformers runs this session with attention "
+                             f"{_attention_name(self.model)!r}, and bcg was enabled for {self.base_name!r}: call "
+                             f"model.set_attn_implementation({self.base_name!r}) before generating")
         self.release()
         self._cache = cache
         self.sessions += 1
@@ -200,8 +198,9 @@ class ContinuousBatchingGraphs:
         """What the runner captures: the decoder, its attention routed to the breakpoint."""
         with self._routed():
             try:
-                return self.model.base_model(input_ids=input_ids, position_ids=position_ids,
-                                             use_cache=False).last_hidden_state
+                # (the base model's own forward: the CB call that got here ran its module hooks)
+                out = self._own_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                return out.last_hidden_state
             finally:
                 self.attention.forget_mask()
 
@@ -233,8 +232,19 @@ class ContinuousBatchingGraphs:
     def disable(self) -> None:
         """Give the model its own forward back and free everything (see :meth:`release`)."""
         self.release()
-        if self.model.forward == self._forward:
-            del self.model.forward
+        if vars(self._base).get("forward") == self._forward:
+            del self._base.forward
+
+
+def _paged_base(name: str) -> str:
+    """The paged attention of :data:`BASES` that transformers' CB runs for a model whose attention
+    is ``name`` (``"sdpa"`` runs ``"paged|sdpa"``); raises ``ValueError`` for any other."""
+    base = name if name.startswith("paged|") else f"paged|{name}"
+    if base not in BASES:
+        raise ValueError(f"bcg.integrations.transformers.enable: the model's attention is {name!r}; bcg runs "
+                         f"transformers' paged sdpa or eager attention: set one of 'sdpa', 'eager', {BASES[0]!r} "
+                         f"or {BASES[1]!r} (model.set_attn_implementation('sdpa'))")
+    return base
 
 
 def _flash_model(model: Any) -> bool:
