@@ -194,7 +194,7 @@ def test_a_session_with_another_attention_than_enable_saw_is_refused() -> None:
     graphs = bcg_transformers.enable(model)
     model.set_attn_implementation("paged|eager")  # (the switch, as transformers would make it)
     cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)], write_trash_index=0,
-                            read_trash_index=1, sliding_windows={0: 1, 1: 1})
+                            read_trash_index=1)
     with pytest.raises(ValueError, match="'paged\\|eager'.*set_attn_implementation\\('paged\\|sdpa'\\)"):
         graphs._runner_for(cache, torch.zeros(1, 8, dtype=torch.long))
     assert graphs.runner is None and graphs.sessions == 0
@@ -296,7 +296,7 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
     monkeypatch.setattr(graphs_module, "_flash_model", lambda model: True)  # (flash needs a GPU)
     monkeypatch.setattr(graphs_module, "load_kernel", lambda *args: loads.append(args) or 0.25)
     cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)],
-                            write_trash_index=0, read_trash_index=1, sliding_windows={0: 1, 1: 1})
+                            write_trash_index=0, read_trash_index=1)
     capacity = cache.num_pages + cache.max_batch_tokens
     ids = torch.zeros(1, 8, dtype=torch.long)
     for asked in (None, (100,), (600, 4096)):
@@ -321,18 +321,20 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
         graphs.disable()
 
 
-def test_sliding_window_attention_is_refused_at_the_first_step() -> None:
-    """transformers marks full attention with a window of 1; any other window (Mistral's, say)
-    would need its read-before-write order and a windowed mask: the session's first step raises."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("config", [{"sliding_window": 64}, {"layer_types": ["sliding_attention", "full_attention"],
+                                                              "sliding_window": 64}], ids=["all", "mixed"])
+def test_sliding_window_attention_is_refused_at_enable(config: dict) -> None:
+    """transformers' CB cache gives sliding-window layers (Mistral's, Gemma 2's) their own read
+    order and a windowed mask, which the staged and plain attention do not run: enable raises."""
+    import transformers
 
-    graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB))
-    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)], write_trash_index=0,
-                            read_trash_index=1, sliding_windows={0: 1, 1: 4096})
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        graphs._runner_for(cache, torch.zeros(1, 8, dtype=torch.long))
-    assert graphs.runner is None and graphs.sessions == 0
-    graphs.disable()
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, **config)).eval()
+    model.set_attn_implementation("paged|sdpa")
+    with pytest.raises(ValueError, match="sliding_attention.*full attention only"):
+        bcg_transformers.enable(model)
+    assert "forward" not in vars(model.base_model)
 
 
 def test_a_flash_kernel_that_does_not_load_leaves_the_masked_attention(monkeypatch: pytest.MonkeyPatch,

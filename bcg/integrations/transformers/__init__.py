@@ -59,7 +59,7 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
     off for these attention implementations): transformers' own graphs would capture bcg's forward.
     A wrong argument raises ``ValueError`` or ``TypeError``; a model whose attention is not one of
-    those raises ``ValueError``, and so does a CB session that transformers runs with another
+    those, or that has sliding-window layers, raises ``ValueError``, and so does a CB session that transformers runs with another
     attention (it switches a plain model to ``flash_attention_2`` where that package is installed:
     set ``"paged|sdpa"`` then).
     """

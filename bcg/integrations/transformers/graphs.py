@@ -67,6 +67,7 @@ class ContinuousBatchingGraphs:
         # transformers' CB runs a model set to "sdpa" or "eager" with its paged form (switched for
         # each session, and back when it stops): the paged function bcg calls
         self.base_name = _paged_base(_attention_name(model))
+        _check_full_attention(model.config)
         #: whether the staged attention runs flash on this model (its device, dtype and head dim now)
         self.flash = staged and _flash_model(model)
         #: seconds :func:`.gather.load_kernel` took here (the flash staged attention's kernel)
@@ -146,10 +147,6 @@ class ContinuousBatchingGraphs:
         the graphs read the cache's tensors and the static indices at their addresses."""
         if self.runner is not None and cache is self._cache:
             return self.runner
-        windows = {w for w in cache.sliding_windows.values() if w != 1}  # transformers: 1 is full attention
-        if windows:
-            raise NotImplementedError(f"bcg.integrations.transformers: sliding-window attention (windows {sorted(windows)}) "
-                                      "is not supported: the staged and plain attention are full attention")
         if _attention_name(self.model) != self.base_name:
             raise ValueError(f"bcg.integrations.transformers: transformers runs this session with attention "
                              f"{_attention_name(self.model)!r}, and bcg was enabled for {self.base_name!r}: call "
@@ -245,6 +242,17 @@ def _paged_base(name: str) -> str:
                          f"transformers' paged sdpa or eager attention: set one of 'sdpa', 'eager', {BASES[0]!r} "
                          f"or {BASES[1]!r} (model.set_attn_implementation('sdpa'))")
     return base
+
+
+def _check_full_attention(config: Any) -> None:
+    """Raise ``ValueError`` unless every layer has full attention, as transformers' CB cache groups
+    them (sliding-window layers would need their own read order and a windowed mask)."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    _, types = group_layers_by_attn_type(config.get_text_config())
+    if set(types) != {"full_attention"}:
+        raise ValueError(f"bcg.integrations.transformers.enable: the model's layers have attention {sorted(set(types))}; "
+                         "bcg runs full attention only (no sliding-window layers)")
 
 
 def _flash_model(model: Any) -> bool:
