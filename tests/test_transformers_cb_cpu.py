@@ -166,6 +166,34 @@ def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) 
     graphs.disable()
 
 
+def test_sampled_tokens_equal_transformers_with_its_seed() -> None:
+    """Sampling (temperature, top-k, top-p) stays transformers': with its CB seed the tokens equal
+    its own, on a model whose head scales the logits (Granite), which sampling depends on."""
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, **ARCHITECTURES["Granite"][2])).eval()
+    model.set_attn_implementation("paged|sdpa")
+    requests = prompts(seed, 10, 1, 60, VOCAB)
+    generation = transformers.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
+                                               eos_token_id=-1, pad_token_id=0)
+
+    def sample() -> dict[str, list[int]]:
+        out = model.generate_batch(requests, generation_config=generation,
+                                   continuous_batching_config=ContinuousBatchingConfig(**CB, seed=seed))
+        return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+    expected = sample()
+    assert sample() == expected  # (transformers' own sampling repeats with its seed)
+    graphs = bcg_transformers.enable(model)
+    assert sample() == expected and graphs.stats()["steps"] > 0
+    graphs.disable()
+
+
 def test_a_model_left_at_sdpa_runs_its_cb_sessions_on_bcg_and_keeps_sdpa() -> None:
     """transformers' CB switches a model at "sdpa" to "paged|sdpa" for a session and back when it
     stops: enable() takes such a model, and its other forwards stay transformers' sdpa."""
