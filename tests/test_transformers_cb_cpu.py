@@ -229,6 +229,24 @@ def test_a_session_with_another_attention_than_enable_saw_is_refused() -> None:
     graphs.disable()
 
 
+def test_enabling_again_replaces_the_previous_handle() -> None:
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 6, 1, 40, VOCAB)
+    expected = generate(model, requests, 4, **CB)
+    first = bcg_transformers.enable(model)
+    assert generate(model, requests, 4, **CB) == expected and first.runner is not None
+    steps = first.steps
+    second = bcg_transformers.enable(model)
+    assert first.runner is None  # disabled: its graphs freed
+    assert generate(model, requests, 4, **CB) == expected
+    assert second.steps > 0 and first.steps == steps  # every step went to the new handle
+    first.disable()  # a stale handle leaves the new one in place
+    assert vars(model.base_model)["forward"] == second._forward
+    second.disable()
+    assert "forward" not in vars(model.base_model)
+
+
 def test_enable_refuses_what_it_cannot_run() -> None:
     from bcg.integrations.transformers.graphs import _paged_base
 

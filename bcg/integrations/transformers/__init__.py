@@ -55,7 +55,8 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
             mask), else ``DEFAULT_STAGED_MAX_TOKENS``.
         mode: ``"graph"`` or ``"eager"`` (default: graphs on CUDA, eager on the CPU).
 
-    Returns the handle: ``.stats()``, ``.release()`` (free the graphs), ``.disable()``.
+    Returns the handle: ``.stats()``, ``.release()`` (free the graphs), ``.disable()``. Enabling
+    a model again disables its previous handle.
     Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
     off for these attention implementations): transformers' own graphs would capture bcg's forward.
     A wrong argument raises ``ValueError`` or ``TypeError``; a model whose attention is not one of

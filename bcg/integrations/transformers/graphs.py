@@ -100,6 +100,11 @@ class ContinuousBatchingGraphs:
         # only. The model's own forward calls it, then runs its head (logits_to_keep, and any
         # scaling or softcapping of the logits) as it does without bcg.
         self._base = model.base_model
+        previous = getattr(vars(self._base).get("forward"), "__self__", None)
+        if isinstance(previous, ContinuousBatchingGraphs):  # enabled again: this handle replaces that one
+            log.info("bcg: transformers continuous batching enabled again on this model: the previous handle "
+                     "is disabled (its graphs freed)")
+            previous.disable()
         self._own_forward = self._base.forward
         self._base.forward = self._forward
 
