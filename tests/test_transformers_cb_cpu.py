@@ -132,6 +132,20 @@ ARCHITECTURES = {
 }
 
 
+def tiny_model(arch: str, seed: int) -> object:
+    """A two-layer model of ``arch`` (random weights), attention ``paged|sdpa``."""
+    import transformers
+
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=16, max_position_embeddings=4096, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.set_attn_implementation("paged|sdpa")
+    return model
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) -> None:
     """The model's own forward keeps its head: logits_to_keep, and any scaling of the logits (which
@@ -139,14 +153,8 @@ def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) 
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    config_name, model_name, extra = ARCHITECTURES[arch]
     seed = fresh_seed()
-    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                head_dim=16, max_position_embeddings=4096, **extra)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
-    model.set_attn_implementation("paged|sdpa")
+    model = tiny_model(arch, seed)
     requests = prompts(seed, 10, 1, 60, VOCAB)
     generation = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
@@ -173,11 +181,7 @@ def test_sampled_tokens_equal_transformers_with_its_seed() -> None:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     seed = fresh_seed()
-    torch.manual_seed(seed)
-    model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, **ARCHITECTURES["Granite"][2])).eval()
-    model.set_attn_implementation("paged|sdpa")
+    model = tiny_model("Granite", seed)
     requests = prompts(seed, 10, 1, 60, VOCAB)
     generation = transformers.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
                                                eos_token_id=-1, pad_token_id=0)
