@@ -21,14 +21,18 @@ CB = {"block_size": 32, "num_blocks": 256, "max_batch_tokens": 256, "max_request
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "intermediate": 512, "vocab": 2048}
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "plain"])
-def test_fp32_tokens_equal_transformers_request_by_request(staged: bool) -> None:
+@pytest.mark.parametrize("staged,async_batching", [(True, False), (False, False), (True, True)],
+                         ids=["staged", "plain", "staged-async"])
+def test_fp32_tokens_equal_transformers_request_by_request(staged: bool, async_batching: bool) -> None:
+    """With ``async_batching``, transformers prepares each step's inputs on its own stream while the
+    previous step computes, and runs the forward on its compute stream (the reference too)."""
     seed = fresh_seed()
     model = tiny_llama(seed, device="cuda", **SHAPE)
     requests = prompts(seed, 32, 1, 200, SHAPE["vocab"])
-    expected = generate(model, requests, 16, **CB)
+    cb = {**CB, "use_async_batching": async_batching}
+    expected = generate(model, requests, 16, **cb)
     graphs = bcg_transformers.enable(model, staged=staged, kv_bounds=(512, 2048, 8192))
-    got = generate(model, requests, 16, **CB)
+    got = generate(model, requests, 16, **cb)
     differ = [rid for rid in expected if got[rid] != expected[rid]]
     assert not differ, f"requests {differ} differ"
     stats = graphs.stats()
