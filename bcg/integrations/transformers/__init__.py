@@ -33,9 +33,10 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
 
     Arguments:
         model: a transformers causal LM whose forward passes the CB arguments to its
-            ``base_model`` (Llama and its kind; its head stays its own), with attention ``"sdpa"`` or ``"eager"`` (which transformers'
-            CB runs as ``"paged|sdpa"`` and ``"paged|eager"``), or one of those two, full attention
-            only (no sliding-window layers).
+            ``base_model`` (Llama and its kind; the model's head stays its own), with attention
+            ``"sdpa"`` or ``"eager"`` (which transformers' CB runs as ``"paged|sdpa"`` and
+            ``"paged|eager"``) or one of those paged forms, and full attention only (no
+            sliding-window layers).
         buckets: the token buckets. Default: up to the CB cache's ``max_batch_tokens``,
             ``bcg.runner.geometric_buckets`` from ``FLASH_MIN_BUCKET`` where the staged attention
             runs flash (see ``kv_bounds``), else ``bcg.runner.default_buckets`` from 8. Captured
@@ -59,10 +60,10 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     a model again disables its previous handle.
     Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
     off for these attention implementations): transformers' own graphs would capture bcg's forward.
-    A wrong argument raises ``ValueError`` or ``TypeError``; a model whose attention is not one of
-    those, or that has sliding-window layers, raises ``ValueError``, and so does a CB session that transformers runs with another
-    attention (it switches a plain model to ``flash_attention_2`` where that package is installed:
-    set ``"paged|sdpa"`` then).
+    A wrong argument raises ``ValueError`` or ``TypeError``; so does a model with another
+    attention or with sliding-window layers (``ValueError``), and a CB session that transformers
+    runs with another attention than ``enable`` saw (it switches a plain model to
+    ``flash_attention_2`` where that package is installed: set ``"paged|sdpa"`` then).
     """
     if mode not in (None, "graph", "eager"):
         raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")
