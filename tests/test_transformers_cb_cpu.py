@@ -119,8 +119,9 @@ def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
 
 
 # Causal LMs whose head is more than the output embeddings (Granite and Cohere scale the logits),
-# or whose decoder differs from Llama's (Qwen3's and OLMo2's query/key norms, Gemma's scaled
-# embeddings), each with the config values that make the difference show
+# whose base model returns more than hidden states (Mixtral's router logits), or whose decoder
+# differs from Llama's (Qwen3's and OLMo2's query/key norms, Gemma's scaled embeddings, Phi-3's
+# fused projections), each with the config values that make the difference show
 ARCHITECTURES = {
     "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "Granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 4.0, "embedding_multiplier": 2.0,
@@ -129,6 +130,8 @@ ARCHITECTURES = {
     "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "Gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "Mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 

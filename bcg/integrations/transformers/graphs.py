@@ -57,10 +57,11 @@ class ContinuousBatchingGraphs:
     def __init__(self, model: Any, *, buckets: Sequence[int] | None, staged: bool, kv_bounds: Sequence[int] | None,
                  staged_max_tokens: int | None, mode: str | None) -> None:
         import transformers
-        from transformers.modeling_outputs import BaseModelOutputWithPast
 
         self.model = model
-        self._output = BaseModelOutputWithPast
+        #: the base model's output class (a mixture of experts adds fields), as its forward returned
+        #: it in the runner (which ran it before any step returns)
+        self._output: Any = None
         self._buckets = list(buckets) if buckets is not None else None
         self.staged = staged
         self._mode = mode
@@ -202,6 +203,7 @@ class ContinuousBatchingGraphs:
             try:
                 # (the base model's own forward: the CB call that got here ran its module hooks)
                 out = self._own_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                self._output = type(out)
                 return out.last_hidden_state
             finally:
                 self.attention.forget_mask()
