@@ -1,8 +1,11 @@
 """bcg.integrations.transformers on the CPU: transformers' continuous batching through a GraphRunner
-in eager mode (same buckets, padding, staged and plain attention; no graphs) on a tiny Llama."""
+in eager mode (same buckets, padding, staged and plain attention; no graphs) on tiny models of
+random weights (Llama, and the architectures of ``ARCHITECTURES``)."""
 
 from __future__ import annotations
 
+import logging
+import re
 
 import pytest
 import torch
@@ -132,6 +135,9 @@ ARCHITECTURES = {
     "Gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "Mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "Phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # (these two call their base model with input_ids by position, and have no grouped KV heads)
+    "GPT2": ("GPT2Config", "GPT2LMHeadModel", {"num_key_value_heads": 4}),
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 4}),
 }
 
 
@@ -140,9 +146,9 @@ def tiny_model(arch: str, seed: int) -> object:
     import transformers
 
     config_name, model_name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                head_dim=16, max_position_embeddings=4096, **extra)
+    shape = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
+    config = getattr(transformers, config_name)(**{**shape, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     model.set_attn_implementation("paged|sdpa")
@@ -177,28 +183,80 @@ def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) 
     graphs.disable()
 
 
+def test_a_composite_model_runs_its_text_steps_on_bcg() -> None:
+    """A vision-language model (Llava): its text config sizes the attention, and its CB steps
+    (text only) run through bcg with transformers' own tokens."""
+    import transformers
+
+    seed = fresh_seed()
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text.to_dict(), vision_config=vision, image_token_index=VOCAB - 1)).eval()
+    model.set_attn_implementation("paged|sdpa")
+    requests = prompts(seed, 8, 1, 60, VOCAB - 1)
+    expected = generate(model, requests, 5, **CB)
+    graphs = bcg_transformers.enable(model)
+    assert generate(model, requests, 5, **CB) == expected and graphs.stats()["steps"] > 0
+    graphs.disable()
+
+
 def test_sampled_tokens_equal_transformers_with_its_seed() -> None:
-    """Sampling (temperature, top-k, top-p) stays transformers': with its CB seed the tokens equal
-    its own, on a model whose head scales the logits (Granite), which sampling depends on."""
+    """Sampling (temperature, top-k, top-p) stays transformers': with its CB seed the tokens and
+    their logprobs equal its own, on a model whose head scales the logits (Granite), which sampling
+    depends on."""
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     seed = fresh_seed()
     model = tiny_model("Granite", seed)
+    with torch.no_grad():  # logits of a few units (random weights give about 0.1): sampling follows them
+        model.get_output_embeddings().weight.mul_(30)
     requests = prompts(seed, 10, 1, 60, VOCAB)
     generation = transformers.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
                                                eos_token_id=-1, pad_token_id=0)
 
-    def sample() -> dict[str, list[int]]:
-        out = model.generate_batch(requests, generation_config=generation,
-                                   continuous_batching_config=ContinuousBatchingConfig(**CB, seed=seed))
-        return {rid: list(o.generated_tokens) for rid, o in out.items()}
+    def sample() -> dict[str, tuple[list[int], torch.Tensor]]:
+        cb = ContinuousBatchingConfig(**CB, seed=seed, return_logprobs=True)
+        out = model.generate_batch(requests, generation_config=generation, continuous_batching_config=cb)
+        return {rid: (list(o.generated_tokens), torch.tensor(o.logprobs)) for rid, o in out.items()}
 
     expected = sample()
-    assert sample() == expected  # (transformers' own sampling repeats with its seed)
+    assert {r: t for r, (t, _) in sample().items()} == {r: t for r, (t, _) in expected.items()}  # (it repeats)
     graphs = bcg_transformers.enable(model)
-    assert sample() == expected and graphs.stats()["steps"] > 0
+    got = sample()
+    assert graphs.stats()["steps"] > 0 and got.keys() == expected.keys()
+    for rid, (tokens, logprobs) in expected.items():
+        assert got[rid][0] == tokens, f"request {rid}"
+        torch.testing.assert_close(got[rid][1], logprobs, rtol=1e-5, atol=1e-5)
     graphs.disable()
+
+
+def test_disable_lets_the_model_go_and_restores_a_wrapper_it_found() -> None:
+    """After ``disable`` nothing of bcg holds the model's layers (its attention function is
+    unregistered), and a forward wrapper that was on the base model before ``enable`` is back."""
+    import gc
+    import weakref
+
+    import transformers
+
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    theirs = model.base_model.forward  # (a wrapper of someone else's, as accelerate's hooks install)
+    model.base_model.forward = theirs
+    graphs = bcg_transformers.enable(model)
+    requests = prompts(seed, 6, 1, 40, VOCAB)
+    generate(model, requests, 4, **CB)
+    assert graphs.stats()["steps"] > 0 and graphs.name in transformers.AttentionInterface()
+    graphs.disable()
+    assert graphs.name not in transformers.AttentionInterface() and vars(model.base_model)["forward"] is theirs
+    layer = weakref.ref(model.base_model.layers[0].self_attn)
+    del model, theirs, graphs  # (the user drops the model and the handle)
+    gc.collect()
+    assert layer() is None
 
 
 def test_a_model_left_at_sdpa_runs_its_cb_sessions_on_bcg_and_keeps_sdpa() -> None:
@@ -219,20 +277,37 @@ def test_a_model_left_at_sdpa_runs_its_cb_sessions_on_bcg_and_keeps_sdpa() -> No
     graphs.disable()
 
 
-def test_a_session_with_another_attention_than_enable_saw_is_refused() -> None:
-    """Where flash-attn is installed, transformers switches a model at "sdpa" to
-    "paged|flash_attention_2": the session's first step says what to set."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("case", ["attention", "no-base-model-call"])
+def test_a_step_bcg_cannot_run_runs_transformers_forward_and_says_why_once(case: str,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A CB step that cannot run on bcg runs transformers' own forward (the tokens stay its own),
+    and one warning says why: the session runs another attention than enable saw (transformers
+    switches a model at "sdpa" to "paged|flash_attention_2" where flash-attn is installed), or the
+    model's forward does not call its base model (OPT's calls ``model.decoder``)."""
+    import transformers
 
-    model = tiny_llama(0, vocab=VOCAB)
-    model.set_attn_implementation("sdpa")
+    seed = fresh_seed()
+    if case == "attention":
+        model = tiny_llama(seed, vocab=VOCAB)
+        why = "attention 'paged[|]eager'.*set_attn_implementation[(]'paged[|]sdpa'[)]"
+    else:
+        torch.manual_seed(seed)
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=512)).eval()
+        why = "does not pass it to its base model [(]OPTModel"
+    requests = prompts(seed, 8, 1, 60, VOCAB)
+    session = "paged|eager" if case == "attention" else "paged|sdpa"
+    model.set_attn_implementation(session)
+    expected = generate(model, requests, 5, **CB)  # transformers' own, with the session's attention
+    model.set_attn_implementation("paged|sdpa")
     graphs = bcg_transformers.enable(model)
-    model.set_attn_implementation("paged|eager")  # (the switch, as transformers would make it)
-    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)], write_trash_index=0,
-                            read_trash_index=1)
-    with pytest.raises(ValueError, match="'paged\\|eager'.*set_attn_implementation\\('paged\\|sdpa'\\)"):
-        graphs._runner_for(cache, torch.zeros(1, 8, dtype=torch.long))
-    assert graphs.runner is None and graphs.sessions == 0
+    model.set_attn_implementation(session)  # (for "attention": the switch, as transformers would make it)
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        assert generate(model, requests, 5, **CB) == expected
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bcg"]
+    assert len(warnings) == 1 and re.search(why, warnings[0]), warnings
+    assert graphs.stats()["steps"] == 0
     graphs.disable()
 
 
@@ -445,11 +520,15 @@ def test_the_manager_streams_requests_added_while_it_runs() -> None:
         manager.start()
         streamed: dict[str, list[list[int]]] = {}
         try:
-            for i, request in enumerate(requests):
+            half = len(requests) // 2
+            for i, request in enumerate(requests[:half]):
                 manager.add_request(request, request_id=f"r{i}", max_new_tokens=new_tokens, streaming=True)
             finished = 0
             while finished < len(requests):
                 out = manager.get_result(timeout=60)
+                if len(streamed) == 0:  # the first result is out: the rest join a running loop
+                    for i, request in enumerate(requests[half:], half):
+                        manager.add_request(request, request_id=f"r{i}", max_new_tokens=new_tokens, streaming=True)
                 assert out is not None and out.error is None, out
                 streamed.setdefault(out.request_id, []).append(list(out.generated_tokens))
                 finished += out.is_finished()

@@ -1,7 +1,7 @@
 """bcg for Hugging Face ``transformers``' continuous batching (tested with transformers 5.17.0).
 
 ``enable(model)`` makes ``model.generate_batch(...)`` and ``ContinuousBatchingManager`` replay the
-model's forward through a lazy :class:`bcg.GraphRunner` (one graph per token bucket), with the
+decoder (the model's base model) through a lazy :class:`bcg.GraphRunner` (one graph per token bucket), with the
 attention a staged breakpoint over transformers' own paged cache, or a plain one. The rest of
 transformers' loop is unchanged. How it works, and what is staged: ``docs/transformers.md``.
 
@@ -57,13 +57,15 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
         mode: ``"graph"`` or ``"eager"`` (default: graphs on CUDA, eager on the CPU).
 
     Returns the handle: ``.stats()``, ``.release()`` (free the graphs), ``.disable()``. Enabling
-    a model again disables its previous handle.
+    a model again disables its previous handle. Disable (or enable again) only while no
+    ``ContinuousBatchingManager`` thread runs the model's steps.
     Generate with ``ContinuousBatchingConfig(use_cuda_graph=False)`` or the default (which is
     off for these attention implementations): transformers' own graphs would capture bcg's forward.
     A wrong argument raises ``ValueError`` or ``TypeError``; so does a model with another
-    attention or with sliding-window layers (``ValueError``), and a CB session that transformers
-    runs with another attention than ``enable`` saw (it switches a plain model to
-    ``flash_attention_2`` where that package is installed: set ``"paged|sdpa"`` then).
+    attention or with sliding-window layers (``ValueError``). A CB step that bcg cannot run (a
+    session with another attention than ``enable`` saw: transformers switches a plain model to
+    flash where that is installed, so set ``"paged|sdpa"`` then; a model whose forward does not
+    call its base model) runs transformers' own forward, and bcg logs one warning saying why.
     """
     if mode not in (None, "graph", "eager"):
         raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")

@@ -14,6 +14,7 @@ Tested with transformers 5.17.0.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -93,6 +94,7 @@ class ContinuousBatchingGraphs:
         self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
+        self._registry = transformers.AttentionInterface._global_mapping  # (for disable: see there)
         self.runner: bcg.GraphRunner | None = None
         self._cache: Any = None  # the CB session (its PagedAttentionCache) the runner's graphs read
         self.steps = 0
@@ -106,15 +108,38 @@ class ContinuousBatchingGraphs:
             log.info("bcg: transformers continuous batching enabled again on this model: the previous handle "
                      "is disabled (its graphs freed)")
             previous.disable()
+        self._replaced = vars(self._base).get("forward")  # a wrapper already there (restored by disable)
         self._own_forward = self._base.forward
+        own = inspect.signature(self._own_forward).parameters.values()
+        # (GPT-2 and GPT-NeoX pass input_ids by position)
+        self._positional = [p.name for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._base.forward = self._forward
+        # Around each model call: a CB step that did not run here (the model's forward does not call
+        # its base model, or the step cannot run on bcg) ran transformers' own forward: say so once.
+        self._pending = False  # a CB step is in the model's forward and has not reached bcg
+        self._bypassed: str | None = None  # why _forward passed the pending step on
+        self._warned: set[str] = set()
+        self._hooks = (model.register_forward_pre_hook(self._step_began, with_kwargs=True),
+                       model.register_forward_hook(self._step_ended, with_kwargs=True))
 
     # -- the step ----------------------------------------------------------------------------------
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            kwargs = {**dict(zip(self._positional, args)), **kwargs}
         cache = kwargs.get("cache")
-        if args or cache is None or "write_index" not in kwargs or kwargs.get("input_ids") is None:
-            return self._own_forward(*args, **kwargs)
+        if cache is None or "write_index" not in kwargs:
+            return self._own_forward(**kwargs)
+        attention = _attention_name(self.model)
+        if attention != self.base_name:
+            self._bypassed = (f"transformers runs it with attention {attention!r}, and bcg was enabled for "
+                              f"{self.base_name!r}: call model.set_attn_implementation({self.base_name!r}) before "
+                              "generating")
+            return self._own_forward(**kwargs)
+        if kwargs.get("input_ids") is None:
+            self._bypassed = "it passes inputs_embeds, not input_ids"
+            return self._own_forward(**kwargs)
+        self._pending = False  # (this step runs here)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise bcg.CaptureError(
                 "transformers is capturing its own CUDA graph around a forward that bcg runs: pass "
@@ -137,14 +162,25 @@ class ContinuousBatchingGraphs:
     def _step_meta(self, kwargs: dict[str, Any]) -> StepMeta:
         write, read = kwargs["write_index"], kwargs["read_index"]
         mask, cu_k = kwargs.get("attention_mask"), kwargs["cu_seq_lens_k"]
-        if len(write) != 1 or isinstance(cu_k, dict) or isinstance(mask, dict):
-            raise NotImplementedError("bcg.integrations.transformers: models with several attention groups "
-                                      "(sliding-window layers) are not supported")
-        if kwargs.get("block_table") is not None:
-            raise NotImplementedError("bcg.integrations.transformers: the block-table decode path (flash) "
-                                      "is not supported")
+        # one attention group (enable refused sliding-window layers) and no block table (that is
+        # transformers' flash decode path, and the session's attention is the paged sdpa or eager)
+        assert len(write) == 1 and not isinstance(cu_k, dict) and kwargs.get("block_table") is None
         return StepMeta(cache=kwargs["cache"], tokens=kwargs["input_ids"].shape[1], write_index=write[0],
                         read_index=read[0], cu_q=kwargs["cu_seq_lens_q"], cu_k=cu_k, mask=mask)
+
+    def _step_began(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("cache") is not None and "write_index" in kwargs:
+            self._pending, self._bypassed = True, None
+
+    def _step_ended(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if self._pending:  # transformers' own forward ran the step
+            self._pending = False
+            why = self._bypassed or (f"the model's forward does not pass it to its base model "
+                                     f"({type(self._base).__name__}, where bcg runs)")
+            if why not in self._warned:
+                self._warned.add(why)
+                log.warning("bcg: a continuous-batching step of %s ran transformers' own forward, without bcg: %s",
+                            type(self.model).__name__, why)
 
     # -- the runner --------------------------------------------------------------------------------
 
@@ -153,10 +189,6 @@ class ContinuousBatchingGraphs:
         the graphs read the cache's tensors and the static indices at their addresses."""
         if self.runner is not None and cache is self._cache:
             return self.runner
-        if _attention_name(self.model) != self.base_name:
-            raise ValueError(f"bcg.integrations.transformers: transformers runs this session with attention "
-                             f"{_attention_name(self.model)!r}, and bcg was enabled for {self.base_name!r}: call "
-                             f"model.set_attn_implementation({self.base_name!r}) before generating")
         self.release()
         self._cache = cache
         self.sessions += 1
@@ -181,7 +213,10 @@ class ContinuousBatchingGraphs:
         example = torch.zeros(1, buckets[0], dtype=input_ids.dtype, device=input_ids.device)
         self.runner = bcg.GraphRunner(self._decoder, buckets, example_inputs=(example, example.clone()), pad_dim=1,
                                       live=self._capture_live, mode=mode, lazy=CAPTURE_AT_STEP, progress=False,
-                                      name="transformers_cb")
+                                      # (captures run on transformers' generation thread: CUDA work of
+                                      # the caller's threads meanwhile is theirs, as transformers' own
+                                      # captures allow)
+                                      capture_error_mode="thread_local", name="transformers_cb")
         log.info("bcg: transformers continuous batching through GraphRunner (mode %s, buckets %s, staged %s)",
                  mode, buckets, self.attention.indices is not None)
         return self.runner
@@ -236,8 +271,16 @@ class ContinuousBatchingGraphs:
     def disable(self) -> None:
         """Give the model its own forward back and free everything (see :meth:`release`)."""
         self.release()
+        for hook in self._hooks:
+            hook.remove()
         if vars(self._base).get("forward") == self._forward:
-            del self._base.forward
+            if self._replaced is None:
+                del self._base.forward
+            else:
+                self._base.forward = self._replaced
+        self.attention.modules.clear()  # (the layers it saw: the model can be freed)
+        # transformers has no public way to unregister an attention function: its registry is a dict
+        self._registry.pop(self.name, None)
 
 
 def _paged_base(name: str) -> str:
@@ -270,7 +313,9 @@ def _flash_model(model: Any) -> bool:
 
 
 def _kv_shape(config: Any) -> tuple[int, int]:
-    """``(kv_heads, head_dim)`` of a transformers config (Llama's attributes)."""
+    """``(kv_heads, head_dim)`` of a transformers config (Llama's attributes; a composite model's
+    text config)."""
+    config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim
 
