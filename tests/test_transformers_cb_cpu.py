@@ -156,7 +156,7 @@ def tiny_model(arch: str, seed: int) -> object:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) -> None:
+def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str, caplog: pytest.LogCaptureFixture) -> None:
     """The model's own forward keeps its head: logits_to_keep, and any scaling of the logits (which
     greedy tokens would not show, its logprobs do)."""
     import transformers
@@ -174,7 +174,9 @@ def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str) 
 
     expected = generate_with_logprobs()
     graphs = bcg_transformers.enable(model)
-    got = generate_with_logprobs()
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        got = generate_with_logprobs()
+    assert not [r for r in caplog.records if r.name == "bcg"]  # every step ran on bcg
     assert graphs.stats()["steps"] > 0
     assert got.keys() == expected.keys()
     for rid, (tokens, logprobs) in expected.items():
@@ -232,6 +234,69 @@ def test_sampled_tokens_equal_transformers_with_its_seed() -> None:
     for rid, (tokens, logprobs) in expected.items():
         assert got[rid][0] == tokens, f"request {rid}"
         torch.testing.assert_close(got[rid][1], logprobs, rtol=1e-5, atol=1e-5)
+    graphs.disable()
+
+
+def test_wrappers_of_the_base_forward_before_and_after_enable(caplog: pytest.LogCaptureFixture) -> None:
+    """A ``*args`` wrapper on GPT-2's base model (which takes input_ids by position) before enable:
+    its steps run transformers' forward and a warning says why, plain calls still work. A wrapper
+    added after enable outlives disable (with a warning); calls through it run the model's own."""
+    seed = fresh_seed()
+    model = tiny_model("GPT2", seed)
+    requests = prompts(seed, 6, 1, 40, VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 9))
+
+    def plain() -> torch.Tensor:  # a plain forward, ids by position (with a non-paged attention)
+        model.set_attn_implementation("sdpa")
+        try:
+            return model(ids).logits
+        finally:
+            model.set_attn_implementation("paged|sdpa")
+
+    expected, logits = generate(model, requests, 4, **CB), plain()
+    own = model.base_model.forward
+
+    def before(*args: object, **kwargs: object) -> object:
+        return own(*args, **kwargs)
+
+    model.base_model.forward = before
+    graphs = bcg_transformers.enable(model)
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        assert generate(model, requests, 4, **CB) == expected
+        torch.testing.assert_close(plain(), logits, rtol=0, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bcg"]
+    assert len(warnings) == 1 and "by position" in warnings[0] and graphs.steps == 0, warnings
+    graphs.disable()
+    assert vars(model.base_model)["forward"] is before
+    del model.base_model.forward
+    caplog.clear()
+
+    graphs = bcg_transformers.enable(model)
+    enabled = model.base_model.forward
+
+    def after(*args: object, **kwargs: object) -> object:
+        return enabled(*args, **kwargs)
+
+    model.base_model.forward = after
+    with caplog.at_level(logging.WARNING, logger="bcg"):
+        assert generate(model, requests, 4, **CB) == expected and graphs.steps > 0
+        graphs.disable()
+        assert generate(model, requests, 4, **CB) == expected
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bcg"]
+    assert len(warnings) == 1 and "wrapped again after enable" in warnings[0], warnings
+    assert vars(model.base_model)["forward"] is after
+
+
+def test_a_step_transformers_compiles_runs_its_compiled_forward() -> None:
+    """Under transformers' compile configs each step is compiled whole (fullgraph), which cannot call
+    into bcg: bcg steps aside there, and the tokens are transformers' compiled ones."""
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB, layers=1)
+    requests = prompts(seed, 3, 1, 20, VOCAB)
+    compiled = {**CB, "default_compile_level": 1}
+    expected = generate(model, requests, 3, **compiled)
+    graphs = bcg_transformers.enable(model)
+    assert generate(model, requests, 3, **compiled) == expected and graphs.steps == 0
     graphs.disable()
 
 

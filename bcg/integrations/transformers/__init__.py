@@ -65,7 +65,8 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     attention or with sliding-window layers (``ValueError``). A CB step that bcg cannot run (a
     session with another attention than ``enable`` saw: transformers switches a plain model to
     flash where that is installed, so set ``"paged|sdpa"`` then; a model whose forward does not
-    call its base model) runs transformers' own forward, and bcg logs one warning saying why.
+    call its base model; embeddings passed for token ids) runs transformers' own forward, and bcg
+    logs one warning saying why. Under transformers' compile configs bcg steps aside (no warning).
     """
     if mode not in (None, "graph", "eager"):
         raise ValueError(f"bcg.integrations.transformers.enable: mode must be None, 'graph' or 'eager', not {mode!r}")

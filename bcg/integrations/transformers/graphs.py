@@ -7,8 +7,9 @@ model and then runs its head, and transformers does everything else itself (sche
 paged cache and its indices, logits processing, sampling, async batching). A base-model call
 that carries a ``PagedAttentionCache`` runs the decoder through a lazy :class:`bcg.GraphRunner`
 bucketed on the step's token count, with the attention a breakpoint (:mod:`.attention`), each
-bucket captured at its second step. Every other call goes to the base model's own forward.
-Tested with transformers 5.17.0.
+bucket captured at its second step, unless bcg cannot run it (``_why_not``; hooks on the model
+log one warning per reason). Every other call goes to the base model's own forward. Tested with
+transformers 5.17.0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +30,9 @@ from bcg.integrations.transformers.gather import load_kernel
 from bcg.integrations.transformers.metadata import CaptureMeta, StaticIndices, StepMeta
 
 log = logging.getLogger("bcg")
+
+# The handle enabled on each model (enable again disables it), by model, held weakly.
+_ENABLED: weakref.WeakKeyDictionary[Any, ContinuousBatchingGraphs] = weakref.WeakKeyDictionary()
 
 #: The attention implementations whose paged function the integration calls.
 BASES = ("paged|sdpa", "paged|eager")
@@ -103,21 +109,24 @@ class ContinuousBatchingGraphs:
         # only. The model's own forward calls it, then runs its head (logits_to_keep, and any
         # scaling or softcapping of the logits) as it does without bcg.
         self._base = model.base_model
-        previous = getattr(vars(self._base).get("forward"), "__self__", None)
-        if isinstance(previous, ContinuousBatchingGraphs):  # enabled again: this handle replaces that one
+        previous = _ENABLED.get(model)
+        if previous is not None:  # enabled again: this handle replaces that one
             log.info("bcg: transformers continuous batching enabled again on this model: the previous handle "
                      "is disabled (its graphs freed)")
             previous.disable()
+        _ENABLED[model] = self
+        self._disabled = False
         self._replaced = vars(self._base).get("forward")  # a wrapper already there (restored by disable)
         self._own_forward = self._base.forward
         own = inspect.signature(self._own_forward).parameters.values()
-        # (GPT-2 and GPT-NeoX pass input_ids by position)
+        # the names of the arguments it takes by position (GPT-2 and GPT-NeoX pass input_ids so)
         self._positional = [p.name for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self._base.forward = self._forward
+        self._installed = self._forward  # (the bound method, made once: disable compares it)
+        self._base.forward = self._installed
         # Around each model call: a CB step that did not run here (the model's forward does not call
         # its base model, or the step cannot run on bcg) ran transformers' own forward: say so once.
-        self._pending = False  # a CB step is in the model's forward and has not reached bcg
-        self._bypassed: str | None = None  # why _forward passed the pending step on
+        # (Per thread: a plain forward on another thread is not the generation thread's step.)
+        self._step = threading.local()
         self._warned: set[str] = set()
         self._hooks = (model.register_forward_pre_hook(self._step_began, with_kwargs=True),
                        model.register_forward_hook(self._step_ended, with_kwargs=True))
@@ -125,21 +134,17 @@ class ContinuousBatchingGraphs:
     # -- the step ----------------------------------------------------------------------------------
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            kwargs = {**dict(zip(self._positional, args)), **kwargs}
-        cache = kwargs.get("cache")
-        if cache is None or "write_index" not in kwargs:
-            return self._own_forward(**kwargs)
-        attention = _attention_name(self.model)
-        if attention != self.base_name:
-            self._bypassed = (f"transformers runs it with attention {attention!r}, and bcg was enabled for "
-                              f"{self.base_name!r}: call model.set_attn_implementation({self.base_name!r}) before "
-                              "generating")
-            return self._own_forward(**kwargs)
-        if kwargs.get("input_ids") is None:
-            self._bypassed = "it passes inputs_embeds, not input_ids"
-            return self._own_forward(**kwargs)
-        self._pending = False  # (this step runs here)
+        # (a step carries the cache by keyword; one that transformers compiles whole, under its
+        # compile configs, runs its own forward in the compiled code: bcg steps aside)
+        if self._disabled or not _is_step(kwargs) or torch.compiler.is_compiling():
+            return self._own_forward(*args, **kwargs)
+        why = self._why_not(args, kwargs)
+        if why is not None:
+            self._step.bypassed = why
+            return self._own_forward(*args, **kwargs)
+        kwargs = {**dict(zip(self._positional, args)), **kwargs}
+        cache = kwargs["cache"]
+        self._step.pending = False  # (this step runs here)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise bcg.CaptureError(
                 "transformers is capturing its own CUDA graph around a forward that bcg runs: pass "
@@ -159,24 +164,41 @@ class ContinuousBatchingGraphs:
         self.steps += 1
         return self._output(last_hidden_state=hidden)
 
+    def _why_not(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the step of this base-model call cannot run on bcg (None: it can)."""
+        attention = _attention_name(self.model)
+        if attention != self.base_name:
+            return (f"transformers runs it with attention {attention!r}, and bcg was enabled for "
+                    f"{self.base_name!r}: call model.set_attn_implementation({self.base_name!r}) before generating")
+        if len(args) > len(self._positional) or set(self._positional[: len(args)]) & kwargs.keys():
+            return f"its base model's forward takes {len(args)} argument(s) by position that bcg cannot name"
+        named = dict(zip(self._positional, args))
+        if named.get("input_ids", kwargs.get("input_ids")) is None:
+            return "it passes inputs_embeds, not input_ids"
+        if len(kwargs["write_index"]) != 1 or isinstance(kwargs["cu_seq_lens_k"], dict):
+            return "its layers form several attention groups (sliding-window layers)"
+        if kwargs.get("block_table") is not None:
+            return "it reads a block table (transformers' flash decode path)"
+        return None
+
     def _step_meta(self, kwargs: dict[str, Any]) -> StepMeta:
         write, read = kwargs["write_index"], kwargs["read_index"]
         mask, cu_k = kwargs.get("attention_mask"), kwargs["cu_seq_lens_k"]
-        # one attention group (enable refused sliding-window layers) and no block table (that is
-        # transformers' flash decode path, and the session's attention is the paged sdpa or eager)
-        assert len(write) == 1 and not isinstance(cu_k, dict) and kwargs.get("block_table") is None
         return StepMeta(cache=kwargs["cache"], tokens=kwargs["input_ids"].shape[1], write_index=write[0],
                         read_index=read[0], cu_q=kwargs["cu_seq_lens_q"], cu_k=cu_k, mask=mask)
 
     def _step_began(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if kwargs.get("cache") is not None and "write_index" in kwargs:
-            self._pending, self._bypassed = True, None
+        if not torch.compiler.is_compiling():
+            self._step.pending, self._step.bypassed = _is_step(kwargs), None
 
     def _step_ended(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if self._pending:  # transformers' own forward ran the step
-            self._pending = False
-            why = self._bypassed or (f"the model's forward does not pass it to its base model "
-                                     f"({type(self._base).__name__}, where bcg runs)")
+        if torch.compiler.is_compiling():
+            return
+        if _is_step(kwargs) and getattr(self._step, "pending", False):  # transformers' own forward ran it
+            self._step.pending = False
+            why = getattr(self._step, "bypassed", None) or (
+                f"the model's forward does not pass it to its base model ({type(self._base).__name__}, where "
+                "bcg runs)")
             if why not in self._warned:
                 self._warned.add(why)
                 log.warning("bcg: a continuous-batching step of %s ran transformers' own forward, without bcg: %s",
@@ -271,16 +293,29 @@ class ContinuousBatchingGraphs:
     def disable(self) -> None:
         """Give the model its own forward back and free everything (see :meth:`release`)."""
         self.release()
+        if self._disabled:
+            return
+        self._disabled = True  # (a wrapper added after enable may still call this handle's forward)
+        if _ENABLED.get(self.model) is self:
+            del _ENABLED[self.model]
         for hook in self._hooks:
             hook.remove()
-        if vars(self._base).get("forward") == self._forward:
+        if vars(self._base).get("forward") is self._installed:
             if self._replaced is None:
                 del self._base.forward
             else:
                 self._base.forward = self._replaced
+        else:
+            log.warning("bcg: disable: the base model's forward was wrapped again after enable; that wrapper "
+                        "stays, and its calls run the model's own forward")
         self.attention.modules.clear()  # (the layers it saw: the model can be freed)
         # transformers has no public way to unregister an attention function: its registry is a dict
         self._registry.pop(self.name, None)
+
+
+def _is_step(kwargs: dict[str, Any]) -> bool:
+    """Whether a call's keyword arguments are a CB step's (transformers' paged cache and indices)."""
+    return kwargs.get("cache") is not None and "write_index" in kwargs
 
 
 def _paged_base(name: str) -> str:
