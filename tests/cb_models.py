@@ -38,14 +38,17 @@ def prompts(seed: int, n: int, shortest: int, longest: int, vocab: int) -> list[
     return [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
-def generate(model: Any, requests: list[list[int]], new_tokens: int, **cb: Any) -> dict[str, list[int]]:
-    """transformers' continuous batching, greedy: each request's generated tokens, by request id."""
+def generate(model: Any, requests: list[list[int]], new_tokens: int, persistent_manager: bool = False,
+             **cb: Any) -> dict[str, list[int]]:
+    """transformers' continuous batching, greedy: each request's generated tokens, by request id
+    (``persistent_manager``: its manager, cache and bcg's graphs kept until
+    ``model.destroy_cached_continuous_batching_manager()``)."""
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                                            pad_token_id=0)
-    out = model.generate_batch(requests, generation_config=config,
+    out = model.generate_batch(requests, generation_config=config, persistent_manager=persistent_manager,
                                continuous_batching_config=ContinuousBatchingConfig(**cb))
     return {rid: list(o.generated_tokens) for rid, o in out.items()}
 

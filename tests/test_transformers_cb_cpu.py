@@ -97,7 +97,7 @@ def test_a_bucket_is_captured_at_its_second_step() -> None:
     graphs = bcg_transformers.enable(model)
     steps_with_bcg = counting_steps(model)
     assert generate(model, requests, 6, **CB) == expected
-    assert graphs.runner.buckets == buckets and steps_with_bcg == steps
+    assert graphs.stats()["buckets"] == buckets and steps_with_bcg == steps
     stats = graphs.stats()
     assert stats["captured_buckets"] == sorted(b for b, calls in per_bucket.items() if calls >= 2)
     assert stats["fallbacks"]["not_captured_yet"] == sum(min(calls, 2) for calls in per_bucket.values())
@@ -376,16 +376,54 @@ def test_a_step_bcg_cannot_run_runs_transformers_forward_and_says_why_once(case:
     graphs.disable()
 
 
+def test_a_sessions_graphs_go_with_the_cache_transformers_drops() -> None:
+    """The graphs hold a session's cache tensors, whose memory the next session's cache needs:
+    when transformers drops the cache (a manager that is not kept), bcg frees them; with a kept
+    manager they stay until it is destroyed. ``stats()`` still reports the ended session."""
+    import gc
+    import weakref
+
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 8, 1, 60, VOCAB)
+    expected = generate(model, requests, 4, **CB)
+    graphs = bcg_transformers.enable(model)
+    caches: list[weakref.ref] = []
+    forward = model.forward
+
+    def watched(*args: object, **kwargs: object) -> object:
+        if kwargs.get("cache") is not None and not any(c() is kwargs["cache"] for c in caches):
+            caches.append(weakref.ref(kwargs["cache"]))
+        return forward(*args, **kwargs)
+
+    model.forward = watched
+    assert generate(model, requests, 4, **CB) == expected
+    gc.collect()
+    assert len(caches) == 1 and caches[0]() is None and graphs.runner is None
+    ended = graphs.stats()
+    assert ended["captured_buckets"] and ended["steps"] > 0 and ended["sessions"] == 1
+    generate(model, requests, 4, persistent_manager=True, **CB)
+    gc.collect()
+    assert len(caches) == 2 and caches[1]() is not None and graphs.runner is not None
+    model.destroy_cached_continuous_batching_manager()
+    gc.collect()
+    assert caches[1]() is None and graphs.runner is None and graphs.stats()["sessions"] == 2
+    del model.forward
+    graphs.disable()
+
+
 def test_enabling_again_replaces_the_previous_handle() -> None:
     seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     requests = prompts(seed, 6, 1, 40, VOCAB)
     expected = generate(model, requests, 4, **CB)
     first = bcg_transformers.enable(model)
-    assert generate(model, requests, 4, **CB) == expected and first.runner is not None
+    assert generate(model, requests, 4, persistent_manager=True, **CB) == expected
+    assert first.runner is not None  # (the manager is kept: so are its cache and the graphs)
     steps = first.steps
     second = bcg_transformers.enable(model)
     assert first.runner is None  # disabled: its graphs freed
+    model.destroy_cached_continuous_batching_manager()
     assert generate(model, requests, 4, **CB) == expected
     assert second.steps > 0 and first.steps == steps  # every step went to the new handle
     first.disable()  # a stale handle leaves the new one in place
@@ -422,7 +460,7 @@ def test_defaults_without_flash_keep_the_masked_staged_attention() -> None:
     requests = prompts(fresh_seed(), 6, 1, 40, VOCAB)
     generate(model, requests, 4, **CB)
     # the masked attention's ladder starts at 8 (its work follows the bucket's rows)
-    assert graphs.runner.buckets == bcg.runner.default_buckets(CB["max_batch_tokens"], min_tokens=8)
+    assert graphs.stats()["buckets"] == bcg.runner.default_buckets(CB["max_batch_tokens"], min_tokens=8)
     graphs.disable()
     graphs = bcg_transformers.enable(model, staged_max_tokens=64, kv_bounds=(128,))
     assert graphs.staged_max_tokens == 64 and graphs.attention.kv_bounds == (128,)
@@ -488,7 +526,10 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
     loads = []
     monkeypatch.setattr(graphs_module, "_flash_model", lambda model: True)  # (flash needs a GPU)
     monkeypatch.setattr(graphs_module, "load_kernel", lambda *args: loads.append(args) or 0.25)
-    cache = SimpleNamespace(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)],
+    class Cache(SimpleNamespace):  # (bcg holds a session's cache weakly)
+        pass
+
+    cache = Cache(max_batch_tokens=64, num_pages=960, key_cache=[torch.zeros(1)],
                             write_trash_index=0, read_trash_index=1)
     capacity = cache.num_pages + cache.max_batch_tokens
     ids = torch.zeros(1, 8, dtype=torch.long)
@@ -508,7 +549,7 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
     # costs the matmuls nothing); a ladder passed is kept
     for asked, expected in ((None, [128, 256, 512, 1000]), ([8, 64, 1000], [8, 64, 1000])):
         graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB), buckets=asked, mode="eager")
-        wide = SimpleNamespace(**{**vars(cache), "max_batch_tokens": 1000})
+        wide = Cache(**{**vars(cache), "max_batch_tokens": 1000})
         graphs._runner_for(wide, ids)
         assert graphs.runner.buckets == expected
         graphs.disable()

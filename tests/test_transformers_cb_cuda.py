@@ -3,6 +3,7 @@ through bcg graphs (staged and plain attention) gives transformers' own tokens, 
 
 from __future__ import annotations
 
+import gc
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     graphs = bcg_transformers.enable(model)  # defaults: flash, every bucket staged
     if not graphs.flash:
         pytest.skip("ATen's flash attention does not run here (needs sm80+)")
-    got = generate(model, requests, 16, **CB)
+    got = generate(model, requests, 16, persistent_manager=True, **CB)  # (kept: the graphs to look at)
     stats = graphs.stats()
     runs = graphs.attention.runs
     print({k: stats[k] for k in ("captured_buckets", "capture_total_s", "fallbacks", "inline_replays",
@@ -64,6 +65,9 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     # form, no tier), and the gather kernel was loaded at enable
     forms = {n: [f.name for f in graphs.runner.graph(n).forms] for n in stats["captured_buckets"]}
     assert forms and all(names == ["inline"] for names in forms.values()), forms
+    model.destroy_cached_continuous_batching_manager()  # its cache goes: so do the graphs
+    gc.collect()
+    assert graphs.runner is None and graphs.stats()["captured_buckets"] == stats["captured_buckets"]
     assert stats["kernel_load_s"] > 0
     assert stats["fallbacks"]["staged_unfit"] == 0 and stats["staged_fallbacks"] == {}
     graphs.disable()

@@ -102,7 +102,9 @@ class ContinuousBatchingGraphs:
         transformers.AttentionInterface.register(self.name, self.attention)
         self._registry = transformers.AttentionInterface._global_mapping  # (for disable: see there)
         self.runner: bcg.GraphRunner | None = None
-        self._cache: Any = None  # the CB session (its PagedAttentionCache) the runner's graphs read
+        self._ended_stats: dict[str, Any] = {}  # the last session's runner stats, once its graphs are freed
+        # the CB session (its PagedAttentionCache, weakly) whose tensors the runner's graphs read
+        self._cache: weakref.ref[Any] | None = None
         self.steps = 0
         self.sessions = 0
         # The wrapping: an instance attribute shadows the base model's class forward for this model
@@ -209,11 +211,14 @@ class ContinuousBatchingGraphs:
     def _runner_for(self, cache: Any, input_ids: torch.Tensor) -> bcg.GraphRunner:
         """The runner of ``cache``'s CB session: a new session (a new cache) gets new graphs, since
         the graphs read the cache's tensors and the static indices at their addresses."""
-        if self.runner is not None and cache is self._cache:
+        if self.runner is not None and self._cache is not None and self._cache() is cache:
             return self.runner
         self.release()
-        self._cache = cache
+        self._cache = weakref.ref(cache)
         self.sessions += 1
+        # When transformers drops the session's cache (a manager that is not kept), the graphs go
+        # with it: they hold its K/V tensors, which the next session's cache needs the memory of.
+        weakref.finalize(cache, _session_ended, weakref.ref(self), self.sessions).atexit = False
         max_tokens = cache.max_batch_tokens
         if self._buckets is not None:
             buckets = self._buckets
@@ -276,15 +281,19 @@ class ContinuousBatchingGraphs:
     # -- the handle --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The runner's :meth:`bcg.GraphRunner.stats` (``{}`` before the first step), plus ``steps``
+        """The runner's :meth:`bcg.GraphRunner.stats` (``{}`` before the first step; once a session's
+        graphs are freed, as they were then), plus ``steps``
         (forwards run through the runner), ``sessions`` (CB sessions, each with its own graphs) and
         ``kernel_load_s`` (the flash staged attention's kernel, loaded at ``enable``; else 0)."""
-        stats = self.runner.stats() if self.runner is not None else {}
+        stats = self.runner.stats() if self.runner is not None else self._ended_stats
         return {**stats, "steps": self.steps, "sessions": self.sessions, "kernel_load_s": self.kernel_load_s}
 
     def release(self) -> None:
-        """Free the graphs, their pool and the static indices (the next CB step captures again)."""
+        """Free the graphs, their pool and the static indices (the next CB step captures again).
+        Done when transformers drops a session's cache (a manager that is not kept), and by a new
+        session."""
         if self.runner is not None:
+            self._ended_stats = self.runner.stats()
             self.runner.reset()
         self.runner = None
         self._cache = None
@@ -311,6 +320,14 @@ class ContinuousBatchingGraphs:
         self.attention.modules.clear()  # (the layers it saw: the model can be freed)
         # transformers has no public way to unregister an attention function: its registry is a dict
         self._registry.pop(self.name, None)
+
+
+def _session_ended(ref: weakref.ref[ContinuousBatchingGraphs], session: int) -> None:
+    """A CB session's cache is gone: free its graphs, if that session is still the handle's."""
+    handle = ref()
+    if handle is not None and handle.sessions == session and handle.runner is not None:
+        log.info("bcg: transformers continuous batching session %d ended: its graphs are freed", session)
+        handle.release()
 
 
 def _is_step(kwargs: dict[str, Any]) -> bool:

@@ -19,6 +19,7 @@ attention reads, every request's keys packed one after another), ``cu_seq_lens_q
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ class Staged:
     """What the staged attention reads inline (``prepare``'s value): static tensors and bounds.
 
     Arguments:
-        cache: transformers' paged cache.
+        cache: transformers' paged cache (a weak proxy).
         write: ``[max_tokens]`` write slots (padded rows: the write trash).
         read: ``[kv_bound]`` read slots (padded keys: the read trash).
         cu_q, cu_k: ``[max_tokens + 1]`` cumulative lengths (padded requests: empty).
@@ -101,7 +102,8 @@ class StaticIndices:
     def __init__(self, cache: Any, kv_limit: int) -> None:
         device = cache.key_cache[0].device
         rows = cache.max_batch_tokens
-        self.cache = cache
+        # (weakly: what a form's capture freezes holds no session alive, see ContinuousBatchingGraphs)
+        self.cache = weakref.proxy(cache)
         self.write_trash = int(cache.write_trash_index)
         self.read_trash = int(cache.read_trash_index)
         self.write = torch.full((rows,), self.write_trash, dtype=torch.int64, device=device)
