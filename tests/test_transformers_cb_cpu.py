@@ -156,7 +156,8 @@ def tiny_model(arch: str, seed: int) -> object:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_logprobs_and_tokens_equal_transformers_across_architectures(arch: str,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """The model's own forward keeps its head: logits_to_keep, and any scaling of the logits (which
     greedy tokens would not show, its logprobs do)."""
     import transformers
@@ -408,6 +409,26 @@ def test_a_sessions_graphs_go_with_the_cache_transformers_drops() -> None:
     model.destroy_cached_continuous_batching_manager()
     gc.collect()
     assert caches[1]() is None and graphs.runner is None and graphs.stats()["sessions"] == 2
+    # a cache that outlives its session (held here) and goes during a later session: that
+    # session's graphs stay
+    held: list[object] = []
+
+    def holding(*args: object, **kwargs: object) -> object:
+        if kwargs.get("cache") is not None and not any(c is kwargs["cache"] for c in held):
+            held.append(kwargs["cache"])
+        return forward(*args, **kwargs)
+
+    model.forward = holding
+    generate(model, requests, 4, **CB)
+    assert graphs.runner is not None  # (its cache is held)
+    generate(model, requests, 4, persistent_manager=True, **CB)
+    assert len(held) == 2 and graphs.stats()["sessions"] == 4
+    del held[:]
+    gc.collect()
+    assert graphs.runner is not None  # the third session's cache went during the fourth: its graphs stay
+    model.destroy_cached_continuous_batching_manager()
+    gc.collect()
+    assert graphs.runner is None
     del model.forward
     graphs.disable()
 

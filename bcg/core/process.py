@@ -77,8 +77,11 @@ class CaptureLock:
 
     def release(self) -> None:
         while self._depth == 1 and not self.capturing:
+            # (allocated before the guard: an allocation may run the garbage collector, whose
+            # finalizers may free graphs, which takes the guard: not reentrant)
+            fresh: list[Free] = []
             with self._guard:
-                batch, self._deferred = self._deferred, []
+                batch, self._deferred = self._deferred, fresh
                 if not batch:
                     self._depth = 0
                     self._lock.release()

@@ -102,6 +102,9 @@ class ContinuousBatchingGraphs:
         transformers.AttentionInterface.register(self.name, self.attention)
         self._registry = transformers.AttentionInterface._global_mapping  # (for disable: see there)
         self.runner: bcg.GraphRunner | None = None
+        # orders a session's start and release against a finalizer's release (_session_ended),
+        # which may run on any thread
+        self._session_lock = threading.RLock()
         self._ended_stats: dict[str, Any] = {}  # the last session's runner stats, once its graphs are freed
         # the CB session (its PagedAttentionCache, weakly) whose tensors the runner's graphs read
         self._cache: weakref.ref[Any] | None = None
@@ -211,42 +214,43 @@ class ContinuousBatchingGraphs:
     def _runner_for(self, cache: Any, input_ids: torch.Tensor) -> bcg.GraphRunner:
         """The runner of ``cache``'s CB session: a new session (a new cache) gets new graphs, since
         the graphs read the cache's tensors and the static indices at their addresses."""
-        if self.runner is not None and self._cache is not None and self._cache() is cache:
+        runner, current = self.runner, self._cache
+        if runner is not None and current is not None and current() is cache:
+            return runner
+        with self._session_lock:
+            self.release()
+            self._cache = weakref.ref(cache)
+            self.sessions += 1
+            # When transformers drops the session's cache (a manager that is not kept), the graphs go
+            # with it: they hold its K/V tensors, which the next session's cache needs the memory of.
+            weakref.finalize(cache, _session_ended, weakref.ref(self), self.sessions).atexit = False
+            max_tokens = cache.max_batch_tokens
+            if self._buckets is not None:
+                buckets = self._buckets
+            elif self.flash:
+                buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens), max_tokens)
+            else:
+                buckets = bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
+            # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
+            # above that is cut to it, so the last tier holds every step
+            capacity = cache.num_pages + max_tokens
+            # flash: one bound, the capacity, holds every step (its work follows the step's keys)
+            bounds = [capacity] if self.flash else sorted({min(b, capacity) for b in self._kv_bounds})
+            if self.staged and bounds:
+                self.attention.kv_bounds = tuple(bounds)
+                self.attention.indices = StaticIndices(cache, bounds[-1])
+            else:
+                self.attention.indices = None
+            mode = self._mode or ("graph" if input_ids.is_cuda else "eager")
+            example = torch.zeros(1, buckets[0], dtype=input_ids.dtype, device=input_ids.device)
+            # (captures run on transformers' generation thread: CUDA work of the caller's threads
+            # meanwhile is theirs, as transformers' own captures allow: capture_error_mode)
+            self.runner = bcg.GraphRunner(self._decoder, buckets, example_inputs=(example, example.clone()),
+                                          pad_dim=1, live=self._capture_live, mode=mode, lazy=CAPTURE_AT_STEP,
+                                          progress=False, capture_error_mode="thread_local", name="transformers_cb")
+            log.info("bcg: transformers continuous batching through GraphRunner (mode %s, buckets %s, staged %s)",
+                     mode, buckets, self.attention.indices is not None)
             return self.runner
-        self.release()
-        self._cache = weakref.ref(cache)
-        self.sessions += 1
-        # When transformers drops the session's cache (a manager that is not kept), the graphs go
-        # with it: they hold its K/V tensors, which the next session's cache needs the memory of.
-        weakref.finalize(cache, _session_ended, weakref.ref(self), self.sessions).atexit = False
-        max_tokens = cache.max_batch_tokens
-        if self._buckets is not None:
-            buckets = self._buckets
-        elif self.flash:
-            buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens), max_tokens)
-        else:
-            buckets = bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
-        # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
-        # above that is cut to it, so the last tier holds every step
-        capacity = cache.num_pages + max_tokens
-        # flash: one bound, the capacity, holds every step (its work follows the step's keys)
-        bounds = [capacity] if self.flash else sorted({min(b, capacity) for b in self._kv_bounds})
-        if self.staged and bounds:
-            self.attention.kv_bounds = tuple(bounds)
-            self.attention.indices = StaticIndices(cache, bounds[-1])
-        else:
-            self.attention.indices = None
-        mode = self._mode or ("graph" if input_ids.is_cuda else "eager")
-        example = torch.zeros(1, buckets[0], dtype=input_ids.dtype, device=input_ids.device)
-        self.runner = bcg.GraphRunner(self._decoder, buckets, example_inputs=(example, example.clone()), pad_dim=1,
-                                      live=self._capture_live, mode=mode, lazy=CAPTURE_AT_STEP, progress=False,
-                                      # (captures run on transformers' generation thread: CUDA work of
-                                      # the caller's threads meanwhile is theirs, as transformers' own
-                                      # captures allow)
-                                      capture_error_mode="thread_local", name="transformers_cb")
-        log.info("bcg: transformers continuous batching through GraphRunner (mode %s, buckets %s, staged %s)",
-                 mode, buckets, self.attention.indices is not None)
-        return self.runner
 
     def _capture_live(self, tokens: int) -> Any:
         """What bucket ``tokens``' warm-ups and captures run with: staged tiers, one per KV bound."""
@@ -292,12 +296,16 @@ class ContinuousBatchingGraphs:
         """Free the graphs, their pool and the static indices (the next CB step captures again).
         Done when transformers drops a session's cache (a manager that is not kept), and by a new
         session."""
-        if self.runner is not None:
-            self._ended_stats = self.runner.stats()
-            self.runner.reset()
-        self.runner = None
-        self._cache = None
-        self.attention.indices = None
+        with self._session_lock:
+            # (the runner first: a finalizer run by a collection inside stats() finds none)
+            runner, self.runner = self.runner, None
+            self._cache = None
+            self.attention.indices = None
+            if runner is not None:
+                try:
+                    self._ended_stats = runner.stats()
+                finally:
+                    runner.reset()
 
     def disable(self) -> None:
         """Give the model its own forward back and free everything (see :meth:`release`)."""
@@ -325,9 +333,15 @@ class ContinuousBatchingGraphs:
 def _session_ended(ref: weakref.ref[ContinuousBatchingGraphs], session: int) -> None:
     """A CB session's cache is gone: free its graphs, if that session is still the handle's."""
     handle = ref()
-    if handle is not None and handle.sessions == session and handle.runner is not None:
-        log.info("bcg: transformers continuous batching session %d ended: its graphs are freed", session)
-        handle.release()
+    # (never waits: a thread starting a session meanwhile releases the old one itself)
+    if handle is None or not handle._session_lock.acquire(blocking=False):
+        return
+    try:
+        if handle.sessions == session and handle.runner is not None:
+            log.info("bcg: transformers continuous batching session %d ended: its graphs are freed", session)
+            handle.release()
+    finally:
+        handle._session_lock.release()
 
 
 def _is_step(kwargs: dict[str, Any]) -> bool:
@@ -353,8 +367,8 @@ def _check_full_attention(config: Any) -> None:
 
     _, types = group_layers_by_attn_type(config.get_text_config())
     if set(types) != {"full_attention"}:
-        raise ValueError(f"bcg.integrations.transformers.enable: the model's layers have attention {sorted(set(types))}; "
-                         "bcg runs full attention only (no sliding-window layers)")
+        raise ValueError(f"bcg.integrations.transformers.enable: the model's layers have attention "
+                         f"{sorted(set(types))}; bcg runs full attention only (no sliding-window layers)")
 
 
 def _flash_model(model: Any) -> bool:
