@@ -323,6 +323,15 @@ def test_disable_lets_the_model_go_and_restores_a_wrapper_it_found() -> None:
     del model, theirs, graphs  # (the user drops the model and the handle)
     gc.collect()
     assert layer() is None
+    # a model and its handle dropped without disable go too
+    model = tiny_llama(seed, vocab=VOCAB)
+    graphs = bcg_transformers.enable(model)
+    generate(model, requests, 4, **CB)
+    assert graphs.stats()["steps"] > 0
+    layer = weakref.ref(model.base_model.layers[0].self_attn)
+    del model, graphs
+    gc.collect()
+    assert layer() is None
 
 
 def test_a_model_left_at_sdpa_runs_its_cb_sessions_on_bcg_and_keeps_sdpa() -> None:

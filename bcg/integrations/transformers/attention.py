@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -113,7 +114,8 @@ class PagedAttention:
         self.kv_bounds = kv_bounds
         self.flash = flash
         self.indices: StaticIndices | None = None  # the current CB session's buffers (staged)
-        self.modules: dict[int, torch.nn.Module] = {}
+        # (weakly: transformers' attention registry keeps this object after the model is gone)
+        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._mask: torch.Tensor | None = None  # built by the first layer of a staged forward
         self._mask_layer: int | None = None
         #: Python runs of the breakpoint by way ("staged", "plain", "inert"; "flash": the staged runs

@@ -31,8 +31,9 @@ from bcg.integrations.transformers.metadata import CaptureMeta, StaticIndices, S
 
 log = logging.getLogger("bcg")
 
-# The handle enabled on each model (enable again disables it), by model, held weakly.
-_ENABLED: weakref.WeakKeyDictionary[Any, ContinuousBatchingGraphs] = weakref.WeakKeyDictionary()
+# The handle enabled on each model (enable again disables it): both held weakly (a model and its
+# handle dropped without disable go, with what transformers' attention registry keeps of them).
+_ENABLED: weakref.WeakKeyDictionary[Any, weakref.ref[ContinuousBatchingGraphs]] = weakref.WeakKeyDictionary()
 
 #: The attention implementations whose paged function the integration calls.
 BASES = ("paged|sdpa", "paged|eager")
@@ -114,12 +115,12 @@ class ContinuousBatchingGraphs:
         # only. The model's own forward calls it, then runs its head (logits_to_keep, and any
         # scaling or softcapping of the logits) as it does without bcg.
         self._base = model.base_model
-        previous = _ENABLED.get(model)
+        previous = _ENABLED[model]() if model in _ENABLED else None
         if previous is not None:  # enabled again: this handle replaces that one
             log.info("bcg: transformers continuous batching enabled again on this model: the previous handle "
                      "is disabled (its graphs freed)")
             previous.disable()
-        _ENABLED[model] = self
+        _ENABLED[model] = weakref.ref(self)
         self._disabled = False
         self._replaced = vars(self._base).get("forward")  # a wrapper already there (restored by disable)
         self._own_forward = self._base.forward
@@ -313,7 +314,7 @@ class ContinuousBatchingGraphs:
         if self._disabled:
             return
         self._disabled = True  # (a wrapper added after enable may still call this handle's forward)
-        if _ENABLED.get(self.model) is self:
+        if self.model in _ENABLED and _ENABLED[self.model]() is self:
             del _ENABLED[self.model]
         for hook in self._hooks:
             hook.remove()
