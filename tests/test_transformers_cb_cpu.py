@@ -627,7 +627,8 @@ def test_a_flash_setup_refuses_a_model_cast_after_enable() -> None:
     from bcg.integrations.transformers.metadata import Staged
 
     attention = PagedAttention(lambda *args, **kwargs: None, staged=True, kv_bounds=(64,), flash=True)
-    attention.modules[0] = torch.nn.Module()
+    layer = torch.nn.Module()
+    attention.modules[0] = layer  # (held weakly there)
     q, kv = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
     index, cu = torch.zeros(64, dtype=torch.long), torch.zeros(9, dtype=torch.int32)
     with bcg.live_scope(Staged(cache=None, write=index, read=index, cu_q=cu, cu_k=cu, kv_bound=64)):
