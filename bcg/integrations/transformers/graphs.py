@@ -144,11 +144,12 @@ class ContinuousBatchingGraphs:
         # compile configs, runs its own forward in the compiled code: bcg steps aside)
         if self._disabled or not _is_step(kwargs) or torch.compiler.is_compiling():
             return self._own_forward(*args, **kwargs)
-        why = self._why_not(args, kwargs)
-        if why is not None:
+        named = self._named(args, kwargs)
+        why = self._why_not(named, len(args))
+        if why is not None or named is None:
             self._step.bypassed = why
             return self._own_forward(*args, **kwargs)
-        kwargs = {**dict(zip(self._positional, args)), **kwargs}
+        kwargs = named
         cache = kwargs["cache"]
         self._step.pending = False  # (this step runs here)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -170,20 +171,29 @@ class ContinuousBatchingGraphs:
         self.steps += 1
         return self._output(last_hidden_state=hidden)
 
-    def _why_not(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why the step of this base-model call cannot run on bcg (None: it can)."""
+    def _named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The call's arguments by name (None: some taken by position cannot be named)."""
+        if not args:
+            return kwargs
+        names = self._positional[: len(args)]
+        if len(args) > len(names) or not kwargs.keys().isdisjoint(names):
+            return None
+        return {**dict(zip(names, args)), **kwargs}
+
+    def _why_not(self, named: dict[str, Any] | None, positional: int) -> str | None:
+        """Why the step of this base-model call (its arguments by name, see :meth:`_named`)
+        cannot run on bcg (None: it can)."""
         attention = _attention_name(self.model)
         if attention != self.base_name:
             return (f"transformers runs it with attention {attention!r}, and bcg was enabled for "
                     f"{self.base_name!r}: call model.set_attn_implementation({self.base_name!r}) before generating")
-        if len(args) > len(self._positional) or set(self._positional[: len(args)]) & kwargs.keys():
-            return f"its base model's forward takes {len(args)} argument(s) by position that bcg cannot name"
-        named = dict(zip(self._positional, args))
-        if named.get("input_ids", kwargs.get("input_ids")) is None:
+        if named is None:
+            return f"its base model's forward takes {positional} argument(s) by position that bcg cannot name"
+        if named.get("input_ids") is None:
             return "it passes inputs_embeds, not input_ids"
-        if len(kwargs["write_index"]) != 1 or isinstance(kwargs["cu_seq_lens_k"], dict):
+        if len(named["write_index"]) != 1 or isinstance(named["cu_seq_lens_k"], dict):
             return "its layers form several attention groups (sliding-window layers)"
-        if kwargs.get("block_table") is not None:
+        if named.get("block_table") is not None:
             return "it reads a block table (transformers' flash decode path)"
         return None
 
