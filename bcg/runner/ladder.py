@@ -530,13 +530,14 @@ class Ladder:
         (under the capture lock; graph mode)."""
         _, sanitizer = self.setup()
         n = self.sizes[-1]
+        lives = self._lives_for(n)  # (asked once: the warm-up and the capture run on the same value)
         if not sanitizer.sizes_seen:
             self.run_recorded(self.probe_size)
         if not sanitizer.has_run(n):
-            self.run_recorded(n)
+            self.run_recorded(n, lives=lives)
         pool = graph_pool_handle()
         graph = BreakableGraph()
-        out = self._capture_graph(graph, n, self._lives_for(n).own, pool=pool)
+        out = self._capture_graph(graph, n, lives.own, pool=pool)
         try:
             size = pool_bytes(pool, self.device.index)
         finally:
