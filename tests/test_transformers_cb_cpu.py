@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -61,17 +62,23 @@ def test_a_second_session_gets_new_graphs_and_equal_tokens() -> None:
     assert graphs.stats()["sessions"] == 2
 
 
+def on_each_step(model: object, seen: Callable[[dict], object]) -> None:
+    """Wrap ``model.forward`` (``del model.forward`` unwraps) so that ``seen`` gets each CB step's
+    keyword arguments."""
+    forward = model.forward
+
+    def watched(*args: object, **kwargs: object) -> object:
+        if kwargs.get("cache") is not None:
+            seen(kwargs)
+        return forward(*args, **kwargs)
+
+    model.forward = watched
+
+
 def counting_steps(model: object) -> list[int]:
     """Wrap ``model.forward`` so that each CB step's token count is appended to the returned list."""
     steps: list[int] = []
-    forward = model.forward
-
-    def counted(*args: object, **kwargs: object) -> object:
-        if kwargs.get("cache") is not None:
-            steps.append(kwargs["input_ids"].shape[1])
-        return forward(*args, **kwargs)
-
-    model.forward = counted
+    on_each_step(model, lambda kwargs: steps.append(kwargs["input_ids"].shape[1]))
     return steps
 
 
@@ -399,14 +406,12 @@ def test_a_sessions_graphs_go_with_the_cache_transformers_drops() -> None:
     expected = generate(model, requests, 4, **CB)
     graphs = bcg_transformers.enable(model)
     caches: list[weakref.ref] = []
-    forward = model.forward
 
-    def watched(*args: object, **kwargs: object) -> object:
-        if kwargs.get("cache") is not None and not any(c() is kwargs["cache"] for c in caches):
+    def watch(kwargs: dict) -> None:
+        if not any(c() is kwargs["cache"] for c in caches):
             caches.append(weakref.ref(kwargs["cache"]))
-        return forward(*args, **kwargs)
 
-    model.forward = watched
+    on_each_step(model, watch)
     assert generate(model, requests, 4, **CB) == expected
     gc.collect()
     assert len(caches) == 1 and caches[0]() is None and graphs.runner is None
@@ -422,12 +427,12 @@ def test_a_sessions_graphs_go_with_the_cache_transformers_drops() -> None:
     # session's graphs stay
     held: list[object] = []
 
-    def holding(*args: object, **kwargs: object) -> object:
-        if kwargs.get("cache") is not None and not any(c is kwargs["cache"] for c in held):
+    def hold(kwargs: dict) -> None:
+        if not any(c is kwargs["cache"] for c in held):
             held.append(kwargs["cache"])
-        return forward(*args, **kwargs)
 
-    model.forward = holding
+    del model.forward
+    on_each_step(model, hold)
     generate(model, requests, 4, **CB)
     assert graphs.runner is not None  # (its cache is held)
     generate(model, requests, 4, persistent_manager=True, **CB)
