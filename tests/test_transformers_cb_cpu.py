@@ -112,6 +112,34 @@ def test_a_bucket_is_captured_at_its_second_step() -> None:
     graphs.disable()
 
 
+@pytest.mark.parametrize("pad_reads", [True, False])
+def test_static_indices_load_pads_reads_only_when_asked(pad_reads: bool) -> None:
+    """The masked attention reads every read slot (those past the step's keys must be the trash);
+    flash reads only the step's keys, so a step does not refill the rest of the cache's capacity."""
+    from types import SimpleNamespace
+
+    from bcg.integrations.transformers.metadata import StaticIndices, StepMeta
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    cache = SimpleNamespace(key_cache=[torch.zeros(1)], max_batch_tokens=16, write_trash_index=1000,
+                            read_trash_index=1001)
+    indices = StaticIndices(cache, 64, pad_reads=pad_reads)
+    reads = []
+    for T, K in ((int(torch.randint(9, 17, (1,), generator=g)), 60), (int(torch.randint(1, 9, (1,), generator=g)), 20)):
+        write, read = torch.randperm(900, generator=g)[:T], torch.randperm(900, generator=g)[:K]
+        indices.load(StepMeta(cache=cache, tokens=T, write_index=write, read_index=read,
+                              cu_q=torch.tensor([0, T], dtype=torch.int32), cu_k=torch.tensor([0, K], dtype=torch.int32),
+                              mask=None))
+        assert torch.equal(indices.write[:T], write) and (indices.write[T:] == 1000).all()
+        assert torch.equal(indices.read[:K], read)
+        assert (indices.cu_q[2:] == T).all() and (indices.cu_k[2:] == K).all()  # padded requests: empty
+        reads.append(read)
+    # past the second step's 20 keys: the trash if padded, else the first step's reads (and the
+    # buffer's initial trash past its 60)
+    expected = torch.full((44,), 1001) if pad_reads else torch.cat([reads[0][20:], torch.full((4,), 1001)])
+    assert torch.equal(indices.read[20:], expected)
+
+
 def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:
     seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)

@@ -131,7 +131,8 @@ def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
         # transformers' own paged sdpa first (it writes the new K/V; the staged run writes the same)
         expected, _ = sdpa(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], attention_mask=kwargs["attention_mask"],
                            scaling=layer.scaling, dropout=0.0, cache=cache, read_index=[read], write_index=[write])
-        indices = StaticIndices(cache, keys + 37)  # padded keys read the read trash
+        indices = StaticIndices(cache, keys + 37, pad_reads=False)
+        indices.read.fill_(int(write[0]))  # read slots past the step's keys: a real slot, never attended
         indices.load(StepMeta(cache=cache, tokens=T, write_index=write, read_index=read,
                               cu_q=kwargs["cu_seq_lens_q"], cu_k=kwargs["cu_seq_lens_k"], mask=None))
         out = torch.full((1, rows, heads, dim), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -249,7 +249,7 @@ class ContinuousBatchingGraphs:
             bounds = [capacity] if self.flash else sorted({min(b, capacity) for b in self._kv_bounds})
             if self.staged and bounds:
                 self.attention.kv_bounds = tuple(bounds)
-                self.attention.indices = StaticIndices(cache, bounds[-1])
+                self.attention.indices = StaticIndices(cache, bounds[-1], pad_reads=not self.flash)
             else:
                 self.attention.indices = None
             mode = self._mode or ("graph" if input_ids.is_cuda else "eager")

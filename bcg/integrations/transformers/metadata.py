@@ -93,13 +93,16 @@ class StaticIndices:
         cache: transformers' ``PagedAttentionCache`` of this CB session (its ``write_trash_index``,
             ``read_trash_index``, ``max_batch_tokens`` and device).
         kv_limit: the most keys a staged form reads (the largest KV bound).
+        pad_reads: whether the staged attention reads the read slots past the step's keys (the
+            masked attention reads all ``[kv_bound]``; flash's gather reads ``cu_k[-1]`` of them).
+            If so, :meth:`load` points them at the read trash.
 
     :meth:`load` copies a step's indices in on the current stream, device to device (transformers
     already uploaded them): a few copies per step, not per layer. :meth:`clear` makes the buffers
     inert (every write to the trash, nothing read), which captures need.
     """
 
-    def __init__(self, cache: Any, kv_limit: int) -> None:
+    def __init__(self, cache: Any, kv_limit: int, pad_reads: bool = True) -> None:
         device = cache.key_cache[0].device
         rows = cache.max_batch_tokens
         # (weakly: what a form's capture freezes holds no session alive, see ContinuousBatchingGraphs)
@@ -110,6 +113,7 @@ class StaticIndices:
         self.read = torch.full((kv_limit,), self.read_trash, dtype=torch.int64, device=device)
         self.cu_q = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.cu_k = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.pad_reads = pad_reads
         self._dirty = False  # the buffers hold a step's indices (else inert)
 
     def staged(self, kv_bound: int) -> Staged:
@@ -117,13 +121,15 @@ class StaticIndices:
         return Staged(self.cache, self.write, self.read[:kv_bound], self.cu_q, self.cu_k, kv_bound)
 
     def load(self, meta: StepMeta) -> None:
-        """Copy ``meta``'s indices in (its ``K`` must be within the buffers); pads with trash slots."""
+        """Copy ``meta``'s indices in (its ``K`` must be within the buffers); pads the write slots
+        (and, with ``pad_reads``, the read slots) with trash slots."""
         T, K, R = meta.tokens, meta.keys, meta.cu_q.numel() - 1
         self.write[:T].copy_(meta.write_index)
         self.write[T:].fill_(self.write_trash)
         # no cache read: attention reads back the slots it just wrote (transformers uses the new K/V)
         self.read[:K].copy_(meta.read_index if meta.read_index.numel() else meta.write_index)
-        self.read[K:].fill_(self.read_trash)
+        if self.pad_reads:
+            self.read[K:].fill_(self.read_trash)
         for buffer, cu in ((self.cu_q, meta.cu_q), (self.cu_k, meta.cu_k)):
             buffer[: R + 1].copy_(cu)
             buffer[R + 1:].copy_(cu[R:].expand(buffer.numel() - R - 1))  # padded requests: empty
