@@ -61,7 +61,13 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                                       num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                                       max_position_embeddings=8192)
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialized where it runs, in its dtype (an 8B model in seconds)
+    try:
+        with device:
+            model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.set_attn_implementation(args.attention)
     return model
 

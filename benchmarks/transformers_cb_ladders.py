@@ -7,7 +7,8 @@ tokens/s paired round by round to the default ladder (a second default, ``defaul
 the run's A/A noise), TTFT, the buckets captured, seconds capturing and the steps that ran eagerly
 before their bucket was captured, and the step sizes the loop asked for. Writes JSON.
 
-Run on a GPU: ``python benchmarks/transformers_cb_ladders.py --runs 6 --out ladders.json``.
+Run on a GPU: ``python benchmarks/transformers_cb_ladders.py --runs 6 --out ladders.json``; the
+options of ``transformers_cb.py`` set the workload (``--layers 32 --hidden 4096 --inter 14336``: 8B).
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ LADDERS: dict[str, list[int] | None] = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--runs", type=int, default=6)
+    p.add_argument("--ladders", default=",".join(LADDERS), help=f"of {', '.join(LADDERS)} (default: all)")
     p.add_argument("--out", default="ladders.json")
-    cli = p.parse_args()
-    args = tcb.parser().parse_args(["--runs", str(cli.runs)])  # transformers_cb.py's workload, its defaults
+    cli, workload = p.parse_known_args()
+    # transformers_cb.py's workload: its defaults, or its options given here (--layers 32 ...)
+    args = tcb.parser().parse_args([*workload, "--runs", str(cli.runs)])
+    ladders = cli.ladders.split(",")
+    if ladders[0] != "default" or not set(ladders) <= set(LADDERS):
+        p.error(f"--ladders: names of {', '.join(LADDERS)}, the first one 'default' (the others are paired to it)")
     logging.basicConfig(level=logging.WARNING)
     prompts = tcb.seeded_prompts(args)
     modes, steps = [], []
-    for name, ladder in LADDERS.items():
+    for name in ladders:
+        ladder = LADDERS[name]
         mode = tcb.Mode("bcg", args, torch.device("cuda"), getattr(torch, args.dtype))
         mode.handle.disable()
         mode.handle = bcg_transformers.enable(mode.model, buckets=ladder)
