@@ -120,9 +120,11 @@ def test_static_indices_load_pads_reads_only_when_asked(pad_reads: bool) -> None
 
     from bcg.integrations.transformers.metadata import StaticIndices, StepMeta
 
+    class Cache(SimpleNamespace):  # (held weakly)
+        pass
+
     g = torch.Generator().manual_seed(fresh_seed())
-    cache = SimpleNamespace(key_cache=[torch.zeros(1)], max_batch_tokens=16, write_trash_index=1000,
-                            read_trash_index=1001)
+    cache = Cache(key_cache=[torch.zeros(1)], max_batch_tokens=16, write_trash_index=1000, read_trash_index=1001)
     indices = StaticIndices(cache, 64, pad_reads=pad_reads)
     reads = []
     for T, K in ((int(torch.randint(9, 17, (1,), generator=g)), 60), (int(torch.randint(1, 9, (1,), generator=g)), 20)):
