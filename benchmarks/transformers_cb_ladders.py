@@ -29,6 +29,8 @@ import transformers_cb as tcb
 
 LADDERS: dict[str, list[int] | None] = {
     "default": None, "default-again": None, "x4-from-128": [128, 512, 2048], "from-8": default_buckets(2048, 8),
+    # graphs for the small steps only: larger ones run eagerly, unpadded
+    "to-128": [128], "to-512": [128, 256, 512],
 }
 
 
@@ -74,12 +76,13 @@ def main() -> None:
         stats = mode.handle.runner.stats()
         r.update(paired_to_default=[a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mode.timed, modes[0].timed)],
                  buckets=mode.handle.runner.buckets, captured_buckets=stats["captured_buckets"],
-                 eager_before_capture=stats["fallbacks"]["not_captured_yet"])
+                 eager_before_capture=stats["fallbacks"]["not_captured_yet"],
+                 eager_above_ladder=stats["fallbacks"]["too_large"])
         out["ladders"][mode.name] = r
         print(f"{mode.name:>14}: {statistics.median(r['tokens_per_s']):7.0f} tok/s, paired "
               f"{' '.join('%.3f' % x for x in r['paired_to_default'])}; TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms; "
               f"graphs {r['captured_buckets']} in {r['capture_s']:.2f} s; eager before capture "
-              f"{r['eager_before_capture']}", flush=True)
+              f"{r['eager_before_capture']}, above the ladder {r['eager_above_ladder']}", flush=True)
     print("step sizes (all runs):", out["step_sizes"])
     with open(cli.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -72,8 +72,10 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     assert stats["fallbacks"]["staged_unfit"] == 0 and stats["staged_fallbacks"] == {}
     graphs.disable()
     assert all(len(t) == 16 for t in got.values())
-    # every staged run took flash (Python runs: the captures of the staged forms), and replays ran inline
-    assert runs["flash"] == runs["staged"] > 0 and stats["inline_replays"] > 0
+    # every Python run took flash (the captures of the staged forms, and the steps that ran eagerly,
+    # on their own sizes), and replays ran inline
+    assert runs["flash"] == runs["staged"] + runs["plain"] and runs["staged"] > 0 and runs["plain"] > 0
+    assert stats["inline_replays"] > 0
 
     reference = tiny_llama(seed, device="cuda", dtype=torch.float32, **SHAPE)
     reference.set_attn_implementation("sdpa")
@@ -96,12 +98,13 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     assert len(differ) <= len(expected) // 2
 
 
-def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
-    """One layer's staged flash attention on real CB steps (with padded rows and padded keys) vs
-    transformers' own ``paged|sdpa`` on the same step."""
+def test_flash_attention_staged_and_eager_equals_transformers_paged_sdpa() -> None:
+    """One layer's flash attention on real CB steps vs transformers' own ``paged|sdpa`` on the same
+    step: staged (with padded rows and padded keys) and eager on the step's own sizes (what a step
+    that does not replay runs)."""
     import transformers
 
-    from bcg.integrations.transformers.attention import flash_staged_attention, flash_usable
+    from bcg.integrations.transformers.attention import flash_staged_attention, flash_step_attention, flash_usable
     from bcg.integrations.transformers.metadata import StaticIndices, StepMeta
 
     seed = fresh_seed()
@@ -139,6 +142,14 @@ def test_flash_staged_attention_equals_transformers_paged_sdpa() -> None:
         flash_staged_attention(layer, q, k, v, indices.staged(keys + 37), out)
         torch.testing.assert_close(out[:, :T], expected, atol=2e-2, rtol=2e-2)
         assert torch.equal(out[:, T:], torch.zeros_like(out[:, T:])), "padded rows are not zeros"
+        # eager, on the step's own T rows and keys (it writes the same new K/V again)
+        meta = StepMeta(cache=cache, tokens=T, write_index=write, read_index=read, cu_q=kwargs["cu_seq_lens_q"],
+                        cu_k=kwargs["cu_seq_lens_k"], mask=None, max_q=kwargs["max_seqlen_q"],
+                        max_k=kwargs["max_seqlen_k"])
+        out.fill_(float("nan"))
+        flash_step_attention(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], meta, out[:, :T])
+        torch.testing.assert_close(out[:, :T], expected, atol=2e-2, rtol=2e-2)
+        assert out[:, T:].isnan().all(), "the eager attention wrote past its T rows"
         checked.append((T, keys, rows))
 
     own = model.forward

@@ -74,7 +74,6 @@ def flash_staged_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     (``cu_k``), causal aligned bottom-right, which is transformers' CB mask: query ``a`` sees key
     ``b`` when ``b <= a + past``.
     """
-    assert _FLASH is not None
     rows = query.shape[2]
     cache = staged.cache
     # transformers' own layout: one cache tensor per layer of a group (models with one group only)
@@ -88,11 +87,39 @@ def flash_staged_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     keys = k_cache.new_empty((staged.kv_bound, *k_cache.shape[1:]))
     values = torch.empty_like(keys)
     gather_keys(k_cache, v_cache, staged.read, cu_k, keys, values)
+    _flash_into(module, query, keys, values, cu_q, cu_k, rows, staged.kv_bound, out)
+
+
+def flash_step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: StepMeta, out: torch.Tensor) -> None:
+    """A step's attention with flash, eagerly on its own sizes: transformers' ``paged|flash_attention``
+    path (its cache's ``update``, then the varlen kernel), with ATen's kernel, as the staged form
+    computes it.
+
+    Arguments:
+        module: the attention layer (``layer_idx``, ``scaling``).
+        query: ``[1, heads, T, D]``; ``key``/``value``: ``[1, kv_heads, T, D]`` (the new K/V).
+        meta: the step's own indices and lengths.
+        out: ``[1, T, heads, D]``, written (zeros in rows no request covers).
+    """
+    # writes the new K/V, reads the step's keys back (the new K/V themselves when it reads no cache)
+    keys, values = meta.cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                     read_index=[meta.read_index], write_index=[meta.write_index])
+    T = query.shape[2]
+    _flash_into(module, query, keys.contiguous(), values.contiguous(), meta.cu_q.to(torch.int32),
+                meta.cu_k.to(torch.int32), meta.max_q or T, meta.max_k or keys.shape[0], out)
+
+
+def _flash_into(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, out: torch.Tensor) -> None:
+    """ATen's varlen flash kernel, causal aligned bottom-right, into ``out`` (``[1, rows, heads, D]``);
+    rows past ``cu_q[-1]`` are zeroed."""
+    assert _FLASH is not None
+    rows = query.shape[2]
     q = query[0].transpose(0, 1).contiguous()
     # max_q is at least 2: at 1 with grouped KV heads the kernel takes a decode path that reads q
     # as one row per request and ignores cu_seq_q (padded rows are not requests)
-    o = _FLASH(q, keys, values, cu_q, cu_k, max(rows, 2), staged.kv_bound, 0.0, True, False,
-               scale=module.scaling)[0]
+    o = _FLASH(q, keys, values, cu_q, cu_k, max(max_q, 2), max_k, 0.0, True, False, scale=module.scaling)[0]
     # flash leaves rows no request covers unwritten (garbage, maybe NaN): zero them, statically shaped
     padded = torch.arange(rows, device=o.device) >= cu_q[-1]
     out[0].copy_(o.masked_fill_(padded.view(rows, 1, 1), 0))
@@ -187,9 +214,15 @@ class PagedAttention:
             self.runs["plain"] += 1
             T = live.tokens
             q, k, v = (t[:, :, :T] for t in (query, key, value))
-            result, _ = self.base(module, q, k, v, attention_mask=live.mask, scaling=module.scaling, dropout=0.0,
-                                  cache=live.cache, read_index=[live.read_index], write_index=[live.write_index])
-            out[:, :T].copy_(result)
+            if self.flash and flash_usable(query.device, query.dtype, query.shape[-1]):
+                # the kernel the staged form runs, on the step's own sizes (no [T, K] mask)
+                self.runs["flash"] += 1
+                flash_step_attention(module, q, k, v, live, out[:, :T])
+            else:
+                result, _ = self.base(module, q, k, v, attention_mask=live.mask, scaling=module.scaling,
+                                      dropout=0.0, cache=live.cache, read_index=[live.read_index],
+                                      write_index=[live.write_index])
+                out[:, :T].copy_(result)
             out[:, T:].zero_()
         else:  # a capture's inert run of the breakable form
             self.runs["inert"] += 1

@@ -201,7 +201,8 @@ class ContinuousBatchingGraphs:
         write, read = kwargs["write_index"], kwargs["read_index"]
         mask, cu_k = kwargs.get("attention_mask"), kwargs["cu_seq_lens_k"]
         return StepMeta(cache=kwargs["cache"], tokens=kwargs["input_ids"].shape[1], write_index=write[0],
-                        read_index=read[0], cu_q=kwargs["cu_seq_lens_q"], cu_k=cu_k, mask=mask)
+                        read_index=read[0], cu_q=kwargs["cu_seq_lens_q"], cu_k=cu_k, mask=mask,
+                        max_q=int(kwargs.get("max_seqlen_q") or 0), max_k=int(kwargs.get("max_seqlen_k") or 0))
 
     def _step_began(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if not torch.compiler.is_compiling():

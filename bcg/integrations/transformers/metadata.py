@@ -7,7 +7,7 @@ attention reads, every request's keys packed one after another), ``cu_seq_lens_q
 ``cu_seq_lens_k`` and, for ``paged|sdpa`` and ``paged|eager``, a ``[T, K]`` additive mask.
 
 * :class:`StepMeta`: one step's kwargs, what ``bcg.live()`` returns when the attention runs as a
-  plain breakpoint (every size exact: transformers' own attention function, unchanged).
+  plain breakpoint (every size exact).
 * :class:`CaptureMeta`: what a bucket's warm-ups and captures run with (inert: see
   :class:`StaticIndices`).
 * :class:`StaticIndices`: static device copies of one step's indices at static bounds, read by
@@ -37,6 +37,8 @@ class StepMeta:
         read_index: ``[K]`` cache slots attention reads (empty: no cache read, ``K = T``).
         cu_q, cu_k: ``[R + 1]`` cumulative query and key lengths.
         mask: transformers' ``[1, 1, T, K]`` additive mask (``None`` if it built none).
+        max_q, max_k: the longest request's queries and keys (host numbers; 0: not given, bounded by
+            ``T`` and ``K``).
         loaded: whether :class:`StaticIndices` hold this step's indices (staged attention may run).
     """
 
@@ -47,6 +49,8 @@ class StepMeta:
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     mask: torch.Tensor | None
+    max_q: int = 0
+    max_k: int = 0
     loaded: bool = False
 
     @property
