@@ -23,14 +23,16 @@ from typing import Any
 import torch
 
 import bcg.integrations.transformers as bcg_transformers
-from bcg.runner import default_buckets
+from bcg.runner import default_buckets, geometric_buckets
 
 import transformers_cb as tcb
 
 LADDERS: dict[str, list[int] | None] = {
-    "default": None, "default-again": None, "x4-from-128": [128, 512, 2048], "from-8": default_buckets(2048, 8),
-    # graphs for the small steps only: larger ones run eagerly, unpadded
-    "to-128": [128], "to-512": [128, 256, 512],
+    "default": None, "default-again": None,
+    # graphs up to the workload's max_batch_tokens (2048): doubling from 128 (the default before it
+    # ended at FLASH_MAX_BUCKET), quadrupling, or bcg's ladder from 8
+    "x2-to-2048": geometric_buckets(128, 2048), "x4-to-2048": [128, 512, 2048], "from-8": default_buckets(2048, 8),
+    "to-128": [128],  # graphs for decode steps only
 }
 
 

@@ -610,11 +610,12 @@ def test_with_flash_each_bucket_gets_one_staged_form_over_the_cache_capacity(mon
             assert not tiers.breakable and list(tiers) == [CaptureMeta(capacity)]
         assert graphs.runner.buckets == [64]  # the first bucket is cut to the cache's max_batch_tokens
         graphs.disable()
-    # the default ladder: FLASH_MIN_BUCKET, then doubling up to max_batch_tokens (padding below it
-    # costs the matmuls nothing); a ladder passed is kept
-    for asked, expected in ((None, [128, 256, 512, 1000]), ([8, 64, 1000], [8, 64, 1000])):
+    # the default ladder: FLASH_MIN_BUCKET, then doubling up to FLASH_MAX_BUCKET, both cut to
+    # max_batch_tokens (larger steps run eagerly); a ladder passed is kept
+    for asked, widest, expected in ((None, 1000, [128, 256, 512]), (None, 300, [128, 256, 300]),
+                                    ([8, 64, 1000], 1000, [8, 64, 1000])):
         graphs = bcg_transformers.enable(tiny_llama(0, vocab=VOCAB), buckets=asked, mode="eager")
-        wide = Cache(**{**vars(cache), "max_batch_tokens": 1000})
+        wide = Cache(**{**vars(cache), "max_batch_tokens": widest})
         graphs._runner_for(wide, ids)
         assert graphs.runner.buckets == expected
         graphs.disable()

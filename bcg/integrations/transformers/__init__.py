@@ -18,11 +18,13 @@ from bcg.integrations.transformers.graphs import (
     BASES,
     DEFAULT_KV_BOUNDS,
     DEFAULT_STAGED_MAX_TOKENS,
+    FLASH_MAX_BUCKET,
     FLASH_MIN_BUCKET,
     ContinuousBatchingGraphs,
 )
 
-__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_MIN_BUCKET", "ContinuousBatchingGraphs",
+__all__ = ["BASES", "DEFAULT_KV_BOUNDS", "DEFAULT_STAGED_MAX_TOKENS", "FLASH_MAX_BUCKET", "FLASH_MIN_BUCKET",
+           "ContinuousBatchingGraphs",
            "divergence", "enable"]
 
 
@@ -37,10 +39,12 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
             ``"sdpa"`` or ``"eager"`` (which transformers' CB runs as ``"paged|sdpa"`` and
             ``"paged|eager"``) or one of those paged forms, and full attention only (no
             sliding-window layers).
-        buckets: the token buckets. Default: up to the CB cache's ``max_batch_tokens``,
-            ``bcg.runner.geometric_buckets`` from ``FLASH_MIN_BUCKET`` where the staged attention
-            runs flash (see ``kv_bounds``), else ``bcg.runner.default_buckets`` from 8. Captured
-            lazily, each at its second step (its first runs eagerly).
+        buckets: the token buckets; a step above the last runs eagerly. Default: where the
+            staged attention runs flash (see ``kv_bounds``), ``bcg.runner.geometric_buckets`` from
+            ``FLASH_MIN_BUCKET`` to ``FLASH_MAX_BUCKET`` (larger steps run eagerly, attention with
+            the same flash kernel on their own sizes); else ``bcg.runner.default_buckets`` from 8
+            up to the CB cache's ``max_batch_tokens``. Captured lazily, each at its second step
+            (its first runs eagerly).
         staged: run the attention inline in the graph where a step fits (default); ``False``:
             a plain breakpoint, run eagerly at every replay.
         kv_bounds: ascending bounds on the keys one step reads (all its requests' context

@@ -50,6 +50,12 @@ DEFAULT_STAGED_MAX_TOKENS = 512
 #: on sm80 and newer): smaller buckets would add graphs, not speed. (The masked attention's work
 #: follows the bucket's rows, so its ladder starts at 8.)
 FLASH_MIN_BUCKET = 128
+#: The largest default bucket where the staged attention runs flash. A larger step runs eagerly, on
+#: its own tokens (no padding), the attention with the same flash kernel: its GPU work outlasts the
+#: launches of an eager forward of the models this is served with, so a graph would add captures and
+#: padding, not speed (``docs/transformers.md``). ``buckets=`` up to ``max_batch_tokens`` graphs every
+#: step (a small model, whose large steps stay host-bound).
+FLASH_MAX_BUCKET = 512
 #: A bucket is captured at its second step (the first runs eagerly), as torch's CUDA graph trees
 #: record a function at its second call: a step size seen once (a drained queue's last prefill
 #: chunk) gets no graph.
@@ -240,7 +246,8 @@ class ContinuousBatchingGraphs:
             if self._buckets is not None:
                 buckets = self._buckets
             elif self.flash:
-                buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens), max_tokens)
+                buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens),
+                                                       min(FLASH_MAX_BUCKET, max_tokens))
             else:
                 buckets = bcg.runner.default_buckets(max_tokens, min_tokens=min(8, max_tokens))
             # a step reads at most every page of the cache (or, reading none, its own tokens): a bound
