@@ -7,7 +7,9 @@ transformers' paged attention (``paged|sdpa`` or ``paged|eager``: it writes the 
 paged cache, reads the keys back, attends):
 
 * plain (``bcg.live()`` is a :class:`StepMeta`): on the step's ``T`` real rows, with the step's own
-  indices and mask, exactly as transformers runs it; padded rows get zeros and never reach the cache;
+  indices: where the staged attention runs flash, :func:`flash_step_attention` (the same kernel on
+  the step's own lengths, no mask); else transformers' function with its mask, exactly as
+  transformers runs it. Padded rows get zeros and never reach the cache;
 * staged, inline in the graph (``bcg.live()`` is a :class:`Staged`): on every row of the bucket,
   with the static indices of :class:`StaticIndices` (padded rows write to the write-trash slot).
   In half precision on CUDA (:func:`flash_usable`) :func:`flash_staged_attention` writes the new
@@ -145,9 +147,9 @@ class PagedAttention:
         self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._mask: torch.Tensor | None = None  # built by the first layer of a staged forward
         self._mask_layer: int | None = None
-        #: Python runs of the breakpoint by way ("staged", "plain", "inert"; "flash": the staged runs
-        #: that used flash): every step in eager mode; in graph mode only warm-ups, captures and
-        #: replays of the breakable form.
+        #: Python runs of the breakpoint by way ("staged", "plain", "inert"; "flash": the staged and
+        #: plain runs that used flash): every step in eager mode; in graph mode the steps that do not
+        #: replay, warm-ups, captures and replays of the breakable form.
         self.runs: collections.Counter[str] = collections.Counter()
         kwargs: dict[str, Any] = {"name": "transformers_paged_attention", "mutates": ("out",)}
         if staged:
