@@ -18,6 +18,7 @@ import collections
 import json
 import logging
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,11 +28,12 @@ from bcg.runner import default_buckets, geometric_buckets
 
 import transformers_cb as tcb
 
-LADDERS: dict[str, list[int] | None] = {
+LADDERS: dict[str, list[int] | Callable[[int], list[int]] | None] = {
     "default": None, "default-again": None,
-    # graphs up to the workload's max_batch_tokens (2048): doubling from 128 (the default before it
+    # graphs up to the workload's max_batch_tokens (M): doubling from 128 (the default before it
     # ended at FLASH_MAX_BUCKET), quadrupling, or bcg's ladder from 8
-    "x2-to-2048": geometric_buckets(128, 2048), "x4-to-2048": [128, 512, 2048], "from-8": default_buckets(2048, 8),
+    "x2-to-max": lambda M: geometric_buckets(128, M), "x4-to-max": lambda M: geometric_buckets(128, M, ratio=4),
+    "from-8": lambda M: default_buckets(M, 8),
     "to-128": [128],  # graphs for decode steps only
 }
 
@@ -52,9 +54,11 @@ def main() -> None:
     modes, steps = [], []
     for name in ladders:
         ladder = LADDERS[name]
+        if callable(ladder):
+            ladder = ladder(args.max_batch_tokens)
         mode = tcb.Mode("bcg", args, torch.device("cuda"), getattr(torch, args.dtype))
         mode.handle.disable()
-        mode.handle = bcg_transformers.enable(mode.model, buckets=ladder)
+        mode.handle = bcg_transformers.enable(mode.model, buckets=ladder, staged=not args.plain)
         mode.name = name
         modes.append(mode)
     forward = modes[0].model.forward

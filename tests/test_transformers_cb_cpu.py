@@ -140,6 +140,30 @@ def test_static_indices_load_pads_reads_only_when_asked(pad_reads: bool) -> None
     # buffer's initial trash past its 60)
     expected = torch.full((44,), 1001) if pad_reads else torch.cat([reads[0][20:], torch.full((4,), 1001)])
     assert torch.equal(indices.read[20:], expected)
+    # inert for a capture: every row writes to the trash and no request has a key; the read slots
+    # go to the trash only if the attention reads past the keys
+    indices.clear()
+    assert (indices.write == 1000).all() and (indices.cu_q == 0).all() and (indices.cu_k == 0).all()
+    assert torch.equal(indices.read, torch.full((64,), 1001)) if pad_reads else torch.equal(indices.read[:20], reads[1])
+
+
+def test_steps_above_the_ladder_run_eagerly_and_equal_transformers() -> None:
+    """A step larger than the last bucket runs eagerly on its own tokens (counted as ``too_large``),
+    capturing nothing; the tokens equal transformers' own, and the smaller steps still run on bcg."""
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 10, 20, 90, VOCAB)
+    steps = counting_steps(model)
+    expected = generate(model, requests, 6, **CB)
+    del model.forward
+    assert max(steps) > 16 and min(steps) <= 16, steps  # (prompts of 20+ tokens, decode steps of <= 10)
+    graphs = bcg_transformers.enable(model, buckets=[8, 16])
+    assert generate(model, requests, 6, persistent_manager=True, **CB) == expected
+    stats = graphs.stats()
+    assert stats["fallbacks"]["too_large"] == sum(T > 16 for T in steps)
+    assert set(stats["captured_buckets"]) <= {8, 16} and stats["steps"] == len(steps)
+    model.destroy_cached_continuous_batching_manager()
+    graphs.disable()
 
 
 def test_other_forwards_and_disable_leave_the_model_as_it_was() -> None:

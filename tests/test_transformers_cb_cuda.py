@@ -53,7 +53,7 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
     model = tiny_llama(seed, device="cuda", dtype=torch.bfloat16, **SHAPE)
     requests = prompts(seed, 32, 1, 200, SHAPE["vocab"])
     expected = generate(model, requests, 16, **CB)
-    graphs = bcg_transformers.enable(model)  # defaults: flash, every bucket staged
+    graphs = bcg_transformers.enable(model)  # defaults: flash, every step of a bucket staged
     if not graphs.flash:
         pytest.skip("ATen's flash attention does not run here (needs sm80+)")
     got = generate(model, requests, 16, persistent_manager=True, **CB)  # (kept: the graphs to look at)

@@ -54,7 +54,7 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
             breakpoint. Default ``DEFAULT_KV_BOUNDS``. Not used where the staged attention runs
             flash (the model in half precision on a CUDA device of sm80 or newer, with Triton):
             its work follows each step's keys, so the one bound is the cache's capacity, every
-            step runs staged and each bucket has one form (no breakable form).
+            step of a bucket runs staged and each bucket has one form (no breakable form).
         staged_max_tokens: buckets above it run the attention as a plain breakpoint only.
             Default: every bucket staged where the staged attention runs flash (it builds no
             mask), else ``DEFAULT_STAGED_MAX_TOKENS``.

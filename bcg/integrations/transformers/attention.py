@@ -134,8 +134,9 @@ class PagedAttention:
         base: transformers' paged attention function (``AttentionInterface()["paged|sdpa"]``).
         staged: capture the attention inline where a step fits (else: a plain breakpoint only).
         kv_bounds: ascending key bounds of the staged forms (the last one: the bucket's inline form).
-        flash: whether the staged attention runs :func:`flash_staged_attention` (decided once, for
-            the model, with :func:`flash_usable`), else transformers' function with a mask.
+        flash: whether the staged attention runs :func:`flash_staged_attention` and plain steps
+            :func:`flash_step_attention` (decided once, for the model, with :func:`flash_usable`),
+            else transformers' function with a mask.
     """
 
     def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...], flash: bool) -> None:
@@ -217,7 +218,7 @@ class PagedAttention:
             T = live.tokens
             q, k, v = (t[:, :, :T] for t in (query, key, value))
             if self.flash and flash_usable(query.device, query.dtype, query.shape[-1]):
-                # the kernel the staged form runs, on the step's own sizes (no [T, K] mask)
+                # the kernel the staged form runs, on the step's own sizes (reading no [T, K] mask)
                 self.runs["flash"] += 1
                 flash_step_attention(module, q, k, v, live, out[:, :T])
             else:

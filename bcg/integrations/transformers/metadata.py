@@ -11,8 +11,9 @@ attention reads, every request's keys packed one after another), ``cu_seq_lens_q
 * :class:`CaptureMeta`: what a bucket's warm-ups and captures run with (inert: see
   :class:`StaticIndices`).
 * :class:`StaticIndices`: static device copies of one step's indices at static bounds, read by
-  the staged attention inline. Padded query rows write to transformers' write-trash slot and
-  padded keys read its read-trash slot (zero K/V, masked out).
+  the staged attention inline. Padded query rows write to transformers' write-trash slot; the
+  masked attention's padded keys read its read-trash slot (zero K/V, masked out), flash reads no
+  slot past the step's keys.
 * :func:`block_causal_mask`: transformers' block-diagonal causal mask, built on the device
   from the cumulative lengths at static sizes.
 """
@@ -77,7 +78,8 @@ class Staged:
     Arguments:
         cache: transformers' paged cache (a weak proxy).
         write: ``[max_tokens]`` write slots (padded rows: the write trash).
-        read: ``[kv_bound]`` read slots (padded keys: the read trash).
+        read: ``[kv_bound]`` read slots (past the step's keys: the read trash, or, for flash, which
+            reads only the step's, left as they were).
         cu_q, cu_k: ``[max_tokens + 1]`` cumulative lengths (padded requests: empty).
         kv_bound: ``read``'s length.
     """
@@ -140,10 +142,12 @@ class StaticIndices:
         self._dirty = True
 
     def clear(self) -> None:
-        """Make the buffers inert: every row writes to the write trash, every key reads the read trash."""
+        """Make the buffers inert: every row writes to the write trash, no request has a key (and,
+        with ``pad_reads``, every read slot points at the read trash)."""
         if self._dirty:
             self.write.fill_(self.write_trash)
-            self.read.fill_(self.read_trash)
+            if self.pad_reads:
+                self.read.fill_(self.read_trash)
             self.cu_q.zero_()
             self.cu_k.zero_()
             self._dirty = False
