@@ -82,6 +82,14 @@ def counting_steps(model: object) -> list[int]:
     return steps
 
 
+def own_run(model: object, requests: list[list[int]], new_tokens: int) -> tuple[dict[str, list[int]], list[int]]:
+    """transformers' own CB run (``CB``): its tokens by request and each step's token count."""
+    steps = counting_steps(model)
+    expected = generate(model, requests, new_tokens, **CB)
+    del model.forward
+    return expected, steps
+
+
 def test_a_bucket_is_captured_at_its_second_step() -> None:
     """A bucket's first step runs eagerly and captures nothing; its second captures it: a step
     size seen once gets no graph."""
@@ -90,9 +98,7 @@ def test_a_bucket_is_captured_at_its_second_step() -> None:
         seed = fresh_seed()
         model = tiny_llama(seed, vocab=VOCAB)
         requests = prompts(seed, 12, 1, 90, VOCAB)
-        steps = counting_steps(model)
-        expected = generate(model, requests, 6, **CB)
-        del model.forward
+        expected, steps = own_run(model, requests, 6)
         per_bucket: dict[int, int] = {}
         for T in steps:
             bucket = next(b for b in buckets if b >= T)
@@ -148,9 +154,7 @@ def test_steps_above_the_ladder_run_eagerly_and_equal_transformers() -> None:
     seed = fresh_seed()
     model = tiny_llama(seed, vocab=VOCAB)
     requests = prompts(seed, 10, 20, 90, VOCAB)
-    steps = counting_steps(model)
-    expected = generate(model, requests, 6, **CB)
-    del model.forward
+    expected, steps = own_run(model, requests, 6)
     assert max(steps) > 16 and min(steps) <= 16, steps  # (prompts of 20+ tokens, decode steps of <= 10)
     graphs = bcg_transformers.enable(model, buckets=[8, 16])
     assert generate(model, requests, 6, persistent_manager=True, **CB) == expected
