@@ -146,6 +146,11 @@ def test_static_indices_load_pads_reads_only_when_asked(pad_reads: bool) -> None
     # buffer's initial trash past its 60)
     expected = torch.full((44,), 1001) if pad_reads else torch.cat([reads[0][20:], torch.full((4,), 1001)])
     assert torch.equal(indices.read[20:], expected)
+    # inert for a capture: every row writes to the trash and no request has a key; the read slots
+    # go to the trash only if the attention reads past the keys
+    indices.clear()
+    assert (indices.write == 1000).all() and (indices.cu_q == 0).all() and (indices.cu_k == 0).all()
+    assert torch.equal(indices.read, torch.full((64,), 1001)) if pad_reads else torch.equal(indices.read[:20], reads[1])
 
 
 def test_steps_above_the_ladder_run_eagerly_and_equal_transformers() -> None:

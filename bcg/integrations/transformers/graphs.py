@@ -171,8 +171,9 @@ class ContinuousBatchingGraphs:
             if bucket is not None and bucket <= self.staged_max_tokens and replays and meta.keys <= indices.read.numel():
                 indices.load(meta)
                 meta.loaded = True
-            else:
+            elif bucket is not None:
                 indices.clear()  # this call may capture: captures must write to the trash only
+            # (a step above the ladder runs eagerly and captures nothing: the buffers stay as they are)
         hidden = runner(kwargs["input_ids"], kwargs["position_ids"], live=meta)
         self.steps += 1
         return self._output(last_hidden_state=hidden)

@@ -142,10 +142,12 @@ class StaticIndices:
         self._dirty = True
 
     def clear(self) -> None:
-        """Make the buffers inert: every row writes to the write trash, every key reads the read trash."""
+        """Make the buffers inert: every row writes to the write trash, no request has a key (and,
+        with ``pad_reads``, every read slot points at the read trash)."""
         if self._dirty:
             self.write.fill_(self.write_trash)
-            self.read.fill_(self.read_trash)
+            if self.pad_reads:
+                self.read.fill_(self.read_trash)
             self.cu_q.zero_()
             self.cu_k.zero_()
             self._dirty = False
