@@ -27,7 +27,7 @@ from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
 from bcg.core.process import release_when_safe
 from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
 from bcg.core.storages import check_suspects
-from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
+from bcg.core.torch_internals import PROFILER_FLAG, profiler_enabled, pytree, stream_readers
 from bcg.errors import NoFormFitsError, ReplayError
 from bcg.keyed.variants import VariantCache, VariantPolicy
 
@@ -415,9 +415,12 @@ class BreakableGraph:
                             annotate_tail))
         device = first.recording.device
         assert device is not None
+        # the groups every form skips: known once a set_enabled has switched them all (its answers
+        # are cleared whenever the groups or the forms change, and so is this object)
+        groups_off = self._disabled if self._switch_done else None
         return native.module().Replay(
             entries, device, _current_device, _current_stream, self._replay_slow, self._suspects, check_suspects,
-            profiler_enabled, live_variable(), UNSET, first.outputs)
+            PROFILER_FLAG, live_variable(), UNSET, first.outputs, groups_off)
 
     def _in_replay(self) -> bool:
         """A replay of this graph is in progress (from a breakpoint of it, or another thread)."""

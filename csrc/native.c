@@ -441,12 +441,14 @@ PyDoc_STRVAR(Plan_replay_doc,
 "``RuntimeError``) naming the step and the CUDA error, with attributes ``step``\n"
 "and ``cuda_error``.");
 
-/* Run every step of `self` on `stream` (see Plan.replay). Returns 0, or -1 with an exception set. */
+/* Run every step of `self` on `stream` (see Plan.replay). `checked`: the caller's previous plan
+ * checked this stream and device in this replay already (a staged tail after its head). Returns 0,
+ * or -1 with an exception set. */
 static int
-plan_run(PlanObject *self, CUstream stream, int device)
+plan_run(PlanObject *self, CUstream stream, int device, int checked)
 {
     self->failed = -1;
-    if (self->launches > 0) {
+    if (self->launches > 0 && !checked) {
         /* Before any step runs: a missing driver refuses the whole replay. */
         if (load_driver() < 0 || ensure_context(device) < 0 || check_not_capturing(stream) < 0)
             return -1;
@@ -512,7 +514,7 @@ Plan_replay(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
     int device;
     if (parse_stream_device("replay", args, nargs, &stream, &device) < 0)
         return NULL;
-    if (plan_run(self, stream, device) < 0)
+    if (plan_run(self, stream, device, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -653,7 +655,12 @@ typedef struct {
     PyObject *slow;           /* (live, index, reason) -> the Python replay, for what C does not run */
     PyObject *suspects;       /* a list: non-empty means check_suspects(suspects) first */
     PyObject *check_suspects; /* (suspects) -> raises if a held tensor was replaced */
-    PyObject *profiling;      /* () -> whether a profiler runs (then Python replays, marking steps) */
+    PyObject *profiler;       /* (holder, name): getattr(holder, name) is true while a profiler runs
+                                 (then Python replays, marking steps): read without a Python call */
+    PyObject *groups_off;     /* a frozenset: the node groups every form skips, as the graph switched
+                                 them before it built this object (it builds another when they
+                                 change), so a runner call skips set_enabled when they already say
+                                 what it asks; None: not known (set_enabled is always called) */
     PyObject *live_var;       /* the contextvars.ContextVar bcg.live() reads */
     PyObject *unset;          /* the sentinel for "no live metadata": the variable is left as it is */
     PyObject *outputs;        /* what a replay returns */
@@ -671,7 +678,8 @@ Replay_traverse(ReplayObject *self, visitproc visit, void *arg)
     Py_VISIT(self->slow);
     Py_VISIT(self->suspects);
     Py_VISIT(self->check_suspects);
-    Py_VISIT(self->profiling);
+    Py_VISIT(self->profiler);
+    Py_VISIT(self->groups_off);
     Py_VISIT(self->live_var);
     Py_VISIT(self->unset);
     Py_VISIT(self->outputs);
@@ -688,7 +696,8 @@ Replay_clear(ReplayObject *self)
     Py_CLEAR(self->slow);
     Py_CLEAR(self->suspects);
     Py_CLEAR(self->check_suspects);
-    Py_CLEAR(self->profiling);
+    Py_CLEAR(self->profiler);
+    Py_CLEAR(self->groups_off);
     Py_CLEAR(self->live_var);
     Py_CLEAR(self->unset);
     Py_CLEAR(self->outputs);
@@ -764,14 +773,22 @@ static PyObject *
 Replay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"forms", "device", "get_device", "get_stream", "slow", "suspects",
-                             "check_suspects", "profiling", "live_var", "unset", "outputs", NULL};
-    PyObject *forms_arg, *get_device, *get_stream, *slow, *suspects, *check_suspects, *profiling, *live_var,
-        *unset, *outputs;
+                             "check_suspects", "profiler", "live_var", "unset", "outputs", "groups_off", NULL};
+    PyObject *forms_arg, *get_device, *get_stream, *slow, *suspects, *check_suspects, *profiler, *live_var,
+        *unset, *outputs, *groups_off;
     int device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiOOOO!OOOOO:Replay", kwlist, &forms_arg, &device, &get_device,
-                                     &get_stream, &slow, &PyList_Type, &suspects, &check_suspects, &profiling,
-                                     &live_var, &unset, &outputs))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiOOOO!OO!OOOO:Replay", kwlist, &forms_arg, &device, &get_device,
+                                     &get_stream, &slow, &PyList_Type, &suspects, &check_suspects, &PyTuple_Type,
+                                     &profiler, &live_var, &unset, &outputs, &groups_off))
         return NULL;
+    if (PyTuple_GET_SIZE(profiler) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(profiler, 1))) {
+        PyErr_SetString(PyExc_TypeError, "Replay: profiler must be a tuple (holder, attribute name)");
+        return NULL;
+    }
+    if (groups_off != Py_None && !PyFrozenSet_CheckExact(groups_off)) {
+        PyErr_SetString(PyExc_TypeError, "Replay: groups_off must be a frozenset or None");
+        return NULL;
+    }
     if (!PyContextVar_CheckExact(live_var)) {
         PyErr_SetString(PyExc_TypeError, "Replay: live_var must be a contextvars.ContextVar");
         return NULL;
@@ -807,7 +824,8 @@ Replay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->slow = Py_NewRef(slow);
     self->suspects = Py_NewRef(suspects);
     self->check_suspects = Py_NewRef(check_suspects);
-    self->profiling = Py_NewRef(profiling);
+    self->profiler = Py_NewRef(profiler);
+    self->groups_off = Py_NewRef(groups_off);
     self->live_var = Py_NewRef(live_var);
     self->unset = Py_NewRef(unset);
     self->outputs = Py_NewRef(outputs);
@@ -857,6 +875,18 @@ ask_fits(PyObject *check, PyObject *live)
     int yes = PyObject_IsTrue(res);
     Py_DECREF(res);
     return yes;
+}
+
+/* The truth of obj.name: 1, 0, or -1 with an exception set. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
 }
 
 /* obj.name += n. 0, or -1 with an exception set. */
@@ -915,7 +945,7 @@ replay_form(ReplayObject *self, FormEntry *e, PyObject *live, CUstream stream, i
     self->replaying++;
     int rc = 0;
     if (e->head != NULL) {
-        rc = plan_run(e->head, stream, device);
+        rc = plan_run(e->head, stream, device, 0);
         if (rc < 0)
             annotate_error(e->annotate_head);
     }
@@ -926,7 +956,7 @@ replay_form(ReplayObject *self, FormEntry *e, PyObject *live, CUstream stream, i
         Py_XDECREF(res);
     }
     if (rc == 0) {
-        rc = plan_run(e->tail, stream, device);
+        rc = plan_run(e->tail, stream, device, e->head != NULL && e->head->launches > 0);
         if (rc < 0)
             annotate_error(e->annotate_tail);
     }
@@ -974,11 +1004,7 @@ replay_at(ReplayObject *self, PyObject *live, int placed, long dev, CUstream str
         PyErr_SetString(PyExc_RuntimeError, "bcg._native.Replay was cleared");
         return NULL;
     }
-    PyObject *flag = PyObject_CallNoArgs(self->profiling);
-    if (flag == NULL)
-        return NULL;
-    int profiling = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
+    int profiling = attr_true(PyTuple_GET_ITEM(self->profiler, 0), PyTuple_GET_ITEM(self->profiler, 1));
     if (profiling < 0)
         return NULL;
     if (profiling)
@@ -1065,21 +1091,32 @@ static PyMethodDef Replay_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+Replay_get_groups_off(ReplayObject *self, void *closure)
+{
+    return Py_NewRef(self->groups_off != NULL ? self->groups_off : Py_None);
+}
+
 static PyGetSetDef Replay_getset[] = {
     {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress (inside a breakpoint: 1 or more).",
+     NULL},
+    {"groups_off", (getter)Replay_get_groups_off, NULL, "The node groups switched off for these replays (a frozenset).",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 PyDoc_STRVAR(Replay_doc,
-"Replay(forms, device, get_device, get_stream, slow, suspects, check_suspects, profiling, live_var, unset, "
-"outputs)\n--\n\n"
+"Replay(forms, device, get_device, get_stream, slow, suspects, check_suspects, profiler, live_var, unset, "
+"outputs, groups_off)\n--\n\n"
 "One graph's replay in C (see ``run``). ``forms``: tuples ``(checks, head, tail,\n"
 "prepares, form, after, annotate_head, annotate_tail)`` in the order a replay\n"
 "tries them; ``checks`` tuples ``(fits, staged, reads_staged, reason)`` or None\n"
 "(takes any live metadata); ``head``/``tail`` ``Plan`` s (``tail`` None: the\n"
-"form replays through ``slow``). Built by ``bcg.graph``; rebuilt whenever a\n"
-"form's executor, the outputs or the forms change.");
+"form replays through ``slow``). ``profiler``: ``(holder, name)``, where\n"
+"``getattr(holder, name)`` is true while a profiler runs. ``groups_off``: the\n"
+"frozenset of node groups every form skips, or None (not known). Built by ``bcg.graph``; rebuilt\n"
+"whenever a form's executor, the outputs, the forms or the groups switched\n"
+"off change.");
 
 static PyTypeObject ReplayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -1117,7 +1154,7 @@ typedef struct {
 
 static PyObject *str_background, *str_kept_own_pools, *str_serving, *str_captured, *str_failure, *str_graph,
     *str_sliced, *str_single, *str_last_stream, *str_real_rows, *str_native, *str_set_enabled, *str_replay,
-    *str_acquire, *str_release, *str_sanitizer, *str_set_rows;
+    *str_acquire, *str_release, *str_sanitizer, *str_set_rows, *str_shared, *str_first_caller, *str_rows_written;
 
 static int
 Call_traverse(CallObject *self, visitproc visit, void *arg)
@@ -1201,19 +1238,31 @@ Call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-/* The truth of obj.name: 1, 0, or -1 with an exception set. */
-static int
-attr_true(PyObject *obj, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    int t = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return t;
-}
-
 #define CALL_PYTHON() (Py_NewRef(Py_NotImplemented))
+
+/* 1 where the call lock's views_safe() would plainly say yes, with nothing to record: this thread
+ * is its first caller and no other thread has called (no background capture: checked before).
+ * 0: ask views_safe(). -1 with an exception set. */
+static int
+views_plainly_safe(PyObject *lock_state)
+{
+    int shared = attr_true(lock_state, str_shared);
+    if (shared != 0)
+        return shared < 0 ? -1 : 0;
+    PyObject *first = PyObject_GetAttr(lock_state, str_first_caller);
+    if (first == NULL)
+        return -1;
+    int mine = 0;
+    if (PyLong_CheckExact(first)) {
+        unsigned long ident = PyLong_AsUnsignedLong(first);
+        if (ident == (unsigned long)-1 && PyErr_Occurred())
+            PyErr_Clear(); /* not a thread ident: views_safe() decides */
+        else
+            mine = ident == PyThread_get_thread_ident(); /* what threading.get_ident() returns */
+    }
+    Py_DECREF(first);
+    return mine;
+}
 
 static PyObject *Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n);
 
@@ -1326,15 +1375,18 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
     }
     if (!locked)
         goto python;
-    PyObject *safe = PyObject_CallNoArgs(self->views_safe);
-    if (safe == NULL)
-        goto done;
-    t = PyObject_IsTrue(safe);
-    Py_DECREF(safe);
+    t = views_plainly_safe(self->lock_state);
+    if (t == 0) {
+        PyObject *safe = PyObject_CallNoArgs(self->views_safe);
+        if (safe == NULL)
+            goto done;
+        t = PyObject_IsTrue(safe);
+        Py_DECREF(safe);
+        if (t == 0)
+            goto python; /* Python copies the outputs */
+    }
     if (t < 0)
         goto done;
-    if (!t)
-        goto python; /* Python copies the outputs */
     long dev;
     CUstream raw;
     int here = current_place(self->get_device, self->get_stream, self->device, &dev, &raw);
@@ -1367,23 +1419,45 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
         Py_DECREF(stream);
         goto done;
     }
-    PyObject *argv[3] = {sanitizer, py_T, stream};
-    PyObject *res = PyObject_VectorcallMethod(str_set_rows, argv, 3, NULL);
+    /* set_rows(T, stream) writes nothing when T is the count it wrote last: then it is not called */
+    PyObject *written = PyObject_GetAttr(sanitizer, str_rows_written);
+    int same_rows = written != NULL ? PyObject_RichCompareBool(written, py_T, Py_EQ) : -1;
+    Py_XDECREF(written);
+    PyObject *res = NULL;
+    if (same_rows == 0) {
+        PyObject *argv[3] = {sanitizer, py_T, stream};
+        res = PyObject_VectorcallMethod(str_set_rows, argv, 3, NULL);
+        Py_XDECREF(res);
+    }
     Py_DECREF(sanitizer);
     Py_DECREF(stream);
-    if (res == NULL)
+    if (same_rows < 0 || (same_rows == 0 && res == NULL))
         goto done;
-    Py_DECREF(res);
-    argv[0] = graph;
-    argv[1] = self->padding;
-    argv[2] = (T < n) ? Py_True : Py_False;
-    res = PyObject_VectorcallMethod(str_set_enabled, argv, 3, NULL);
-    if (res == NULL)
-        goto done;
-    Py_DECREF(res);
+    /* the padding group on or off: set_enabled is not called when the graph's native replay was
+     * built with the group already so (the graph builds another when its groups change) */
     PyObject *native = PyObject_GetAttr(graph, str_native);
     if (native == NULL)
         goto done;
+    int off = -2; /* whether the native replay's forms skip the padding group; -2: not known */
+    if (Py_IS_TYPE(native, &ReplayType) && ((ReplayObject *)native)->groups_off != NULL &&
+        ((ReplayObject *)native)->groups_off != Py_None) {
+        off = PySet_Contains(((ReplayObject *)native)->groups_off, self->padding);
+        if (off < 0) {
+            Py_DECREF(native);
+            goto done;
+        }
+    }
+    if (off != (T >= n)) { /* T < n: rows are padded, the zeroing runs */
+        Py_DECREF(native);
+        PyObject *argv[3] = {graph, self->padding, (T < n) ? Py_True : Py_False};
+        res = PyObject_VectorcallMethod(str_set_enabled, argv, 3, NULL);
+        if (res == NULL)
+            goto done;
+        Py_DECREF(res);
+        native = PyObject_GetAttr(graph, str_native);
+        if (native == NULL)
+            goto done;
+    }
     if (Py_IS_TYPE(native, &ReplayType))
         res = replay_at((ReplayObject *)native, live, 1, dev, raw); /* (device and stream read above) */
     else {
@@ -1505,7 +1579,8 @@ PyInit__native(void)
         {&str_sliced, "sliced"}, {&str_single, "single"}, {&str_last_stream, "last_stream"},
         {&str_real_rows, "_real_rows"}, {&str_native, "_native"}, {&str_set_enabled, "set_enabled"},
         {&str_replay, "replay"}, {&str_acquire, "acquire"}, {&str_release, "release"},
-        {&str_sanitizer, "sanitizer"}, {&str_set_rows, "set_rows"},
+        {&str_sanitizer, "sanitizer"}, {&str_set_rows, "set_rows"}, {&str_shared, "shared"},
+        {&str_first_caller, "first_caller"}, {&str_rows_written, "rows_written"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);

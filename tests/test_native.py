@@ -6,6 +6,7 @@ import ctypes
 import gc
 import sys
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -594,7 +595,8 @@ class _Form:
         self.replays = 0
 
 
-def _replay_kit(_native, forms, *, device: int = 0, profiling: bool = False, suspects=None, log=None):  # noqa: ANN001,ANN202
+def _replay_kit(_native, forms, *, device: int = 0, profiling: bool = False, suspects=None, log=None,  # noqa: ANN001,ANN202
+                groups_off=None):
     """A Replay over plans of callables only (no driver), with every callback logged."""
     log = [] if log is None else log
 
@@ -610,7 +612,7 @@ def _replay_kit(_native, forms, *, device: int = 0, profiling: bool = False, sus
     from bcg.core.breakpoint import UNSET, live_variable
 
     replay = _native.Replay(forms, device, lambda: 0, lambda d: 0, slow, suspects if suspects is not None else [],
-                            check, lambda: profiling, live_variable(), UNSET, "outputs")
+                            check, (SimpleNamespace(on=profiling), "on"), live_variable(), UNSET, "outputs", groups_off)
     return replay, log
 
 
@@ -765,9 +767,11 @@ def test_replay_does_not_leak_and_its_cycles_are_collected(_native) -> None:  # 
 class _Sanitizer:
     def __init__(self, log: list) -> None:
         self.log = log
+        self.rows_written = None
 
     def set_rows(self, T: int, stream: int) -> None:
         self.log.append(("rows", T, stream))
+        self.rows_written = T
 
 
 class _Graph:
@@ -794,11 +798,13 @@ def _call_kit(_native, **change):  # noqa: ANN001,ANN202
                              replays=0)
     state = dict(background=0, kept=[], serving=True, device=0, stream=0x77, last=None, safe=True, ratio=-1.0)
     state.update(change)
-    lock_state = SimpleNamespace(lock=threading.RLock(), background=state["background"], last_stream=state["last"])
+    lock_state = SimpleNamespace(lock=threading.RLock(), background=state["background"], last_stream=state["last"],
+                                 shared=False, first_caller=None)
     runner = SimpleNamespace(_real_rows=0)
-    kit = SimpleNamespace(log=log, inputs=inputs, out=out, bucket=bucket, runner=runner, lock_state=lock_state)
-    kit.call = _native.Call(runner, {id(inputs[1]): (6, 8, inputs)}, 1, {8: bucket},
-                            SimpleNamespace(kept_own_pools=state["kept"], sanitizer=_Sanitizer(log)),
+    ladder = SimpleNamespace(kept_own_pools=state["kept"], sanitizer=_Sanitizer(log))
+    kit = SimpleNamespace(log=log, inputs=inputs, out=out, bucket=bucket, runner=runner, lock_state=lock_state,
+                          call_ladder=ladder)
+    kit.call = _native.Call(runner, {id(inputs[1]): (6, 8, inputs)}, 1, {8: bucket}, ladder,
                             SimpleNamespace(serving=state["serving"]), lock_state, lambda: state["safe"], "padding",
                             0, lambda: state["device"], lambda d: state["stream"], state["ratio"])
     return kit
@@ -820,6 +826,91 @@ def test_call_replays_the_graphs_native_replay_when_it_has_one(_native) -> None:
     kit.bucket.graph._native = _replay_kit(_native, [entry])[0]
     assert kit.call.call(kit.inputs, "meta") is kit.out and ran == ["meta"]
     assert ("replay", "meta") not in kit.log  # not through the graph's Python replay
+
+
+def test_call_skips_set_rows_when_the_sanitizer_wrote_that_count_last(_native) -> None:  # noqa: ANN001
+    kit = _call_kit(_native)
+    for _ in range(3):
+        assert kit.call.call(kit.inputs, None) is kit.out
+    assert [e for e in kit.log if e[0] == "rows"] == [("rows", 6, 0x77)]  # the count written once
+    sanitizer = kit.call_ladder.sanitizer
+    sanitizer.rows_written = 5  # another count written since (a call of another T): written again
+    assert kit.call.call(kit.inputs, None) is kit.out
+    assert [e for e in kit.log if e[0] == "rows"] == [("rows", 6, 0x77), ("rows", 6, 0x77)]
+
+
+@pytest.mark.parametrize("groups_off, asks", [
+    (None, True),  # the graph's replay does not know which groups its forms skip
+    (frozenset({"padding"}), True),  # the zeroing is off, and T=6 of 8 rows needs it on
+    (frozenset(), False),  # on already
+    (frozenset({"other"}), False),
+])
+def test_call_asks_set_enabled_only_when_the_native_replay_has_the_padding_group_otherwise(  # noqa: ANN001
+        _native, groups_off, asks) -> None:
+    kit = _call_kit(_native)
+    entry = (None, None, _native.Plan([lambda: None]), (), _Form(), None, None, None)
+    replay = _replay_kit(_native, [entry], groups_off=groups_off)[0]
+    assert replay.groups_off == groups_off
+    kit.bucket.graph._native = replay
+    assert kit.call.call(kit.inputs, None) is kit.out
+    assert (("enabled", "padding", True) in kit.log) == asks
+
+
+def test_call_switches_to_the_native_replay_that_set_enabled_builds(_native) -> None:  # noqa: ANN001
+    """set_enabled that changes the groups drops the graph's native replay; the call replays the
+    one in place after it, not the one it read before."""
+    kit = _call_kit(_native)
+    ran: list = []
+    old = _replay_kit(_native, [(None, None, _native.Plan([lambda: ran.append("old")]), (), _Form(), None, None,
+                                 None)], groups_off=frozenset({"padding"}))[0]
+    new = _replay_kit(_native, [(None, None, _native.Plan([lambda: ran.append("new")]), (), _Form(), None, None,
+                                 None)], groups_off=frozenset())[0]
+    graph = kit.bucket.graph
+    graph._native = old
+
+    def set_enabled(label: str, enabled: bool) -> bool:
+        graph._native = new
+        return True
+
+    graph.set_enabled = set_enabled
+    assert kit.call.call(kit.inputs, None) is kit.out and ran == ["new"]
+
+
+def test_call_asks_views_safe_unless_the_lock_plainly_allows_views(_native) -> None:  # noqa: ANN001
+    """With the runners' real lock: its first caller gets views without a Python call; a second
+    thread asks views_safe, which says copies from then on (the Python call copies)."""
+    import threading
+
+    from bcg.runner.pool_lock import PoolCallLock
+
+    kit = _call_kit(_native)
+    lock = PoolCallLock()
+    asked: list = []
+
+    def views_safe() -> bool:
+        asked.append(threading.get_ident())
+        return lock.views_safe()
+
+    call = _native.Call(kit.runner, {id(kit.inputs[1]): (6, 8, kit.inputs)}, 1, {8: kit.bucket}, kit.call_ladder,
+                        SimpleNamespace(serving=True), lock, views_safe, "padding", 0, lambda: 0, lambda d: 0x77, -1.0)
+    assert call.call(kit.inputs, None) is kit.out and asked == [threading.get_ident()]  # the first call records it
+    assert call.call(kit.inputs, None) is kit.out and len(asked) == 1  # then plainly safe
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(call.call(kit.inputs, None)))
+    thread.start()
+    thread.join()
+    assert other == [NotImplemented] and len(asked) == 2 and lock.shared
+    assert call.call(kit.inputs, None) is NotImplemented and len(asked) == 3  # shared: copies from now on
+
+
+def test_replay_refuses_a_bad_profiler_flag_or_groups(_native) -> None:  # noqa: ANN001
+    from bcg.core.breakpoint import UNSET, live_variable
+
+    args = ([], 0, lambda: 0, lambda d: 0, lambda *a: None, [], lambda held: None)
+    with pytest.raises(TypeError, match="profiler"):
+        _native.Replay(*args, (object(), 1), live_variable(), UNSET, None, None)
+    with pytest.raises(TypeError, match="groups_off"):
+        _native.Replay(*args, (object(), "x"), live_variable(), UNSET, None, {"padding"})
 
 
 @pytest.mark.parametrize("change, why", [

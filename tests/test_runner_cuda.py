@@ -543,6 +543,60 @@ def test_zeroing_is_skipped_when_nothing_is_padded_and_runs_again_after(monkeypa
     del poison
 
 
+def test_native_calls_switch_the_zeroing_when_padding_starts_or_stops_and_ask_nothing_between(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls on ``input_buffers(T)`` (the native call) ask ``set_enabled`` only when the padding
+    changes; between, the graph's native replay carries the groups off. Padded rows hold NaN
+    before each padded call, and the model sums over tokens: outputs stay finite and equal eager."""
+    from bcg.runner.graph_runner import GraphRunner
+    from bcg.runner.sanitizer import PADDING
+
+    asked: list[bool] = []
+    set_enabled = bcg.BreakableGraph.set_enabled
+
+    def spy(graph: bcg.BreakableGraph, label: str, enabled: bool) -> bool:
+        if label == PADDING:
+            asked.append(enabled)
+        return set_enabled(graph, label, enabled)
+
+    python_calls = [0]
+    real = GraphRunner._call
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001,ANN202
+        python_calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(bcg.BreakableGraph, "set_enabled", spy)
+    monkeypatch.setattr(GraphRunner, "_call", counted)
+    model = _Leaky()
+    runner = _runner(model, [64])
+    gen = torch.Generator().manual_seed(9)
+    seen: set[int] = set()
+    previous = 64
+    for T in (64, 64, 40, 40, 40, 64, 64, 17, 17, 64):
+        x, pos, live = _batch(T, gen)
+        full_x, full_pos = runner.input_buffers(64)
+        full_x[T:] = float("nan")  # what a larger batch, or garbage, left in the padded rows
+        bx, bpos = runner.input_buffers(T)
+        bx.copy_(x)
+        bpos.copy_(pos)
+        asked.clear()
+        before = python_calls[0]
+        y = runner(bx, bpos, live=live)
+        native = python_calls[0] == before
+        assert native == (T in seen), f"T={T}: the call ran in {'C' if native else 'Python'}"
+        if native:  # asked only where the padding changed since the last call
+            assert asked == ([T < 64] if (T < 64) != (previous < 64) else []), (T, previous, asked)
+        seen.add(T)
+        previous = T
+        replay = runner.graph(64)._native
+        assert replay is not None and replay.groups_off == (frozenset({PADDING}) if T == 64 else frozenset()), T
+        assert torch.isfinite(y).all(), f"NaN/inf at T={T}"
+        with bcg.live_scope(live), torch.no_grad():
+            expected = model(x, pos)
+        torch.testing.assert_close(y.float(), expected.float(), rtol=0.1, atol=0.1)
+
+
 @pytest.mark.parametrize("draws", [False, True], ids=["no-rng", "rng-after-the-last-breakpoint"])
 def test_captures_run_the_last_segment_only_when_the_forward_draws_random_numbers(
     monkeypatch: pytest.MonkeyPatch, draws: bool

@@ -34,6 +34,7 @@ __all__ = [
     "has_internal_overlap",
     "inductor_config",
     "maybe_mark_dynamic",
+    "PROFILER_FLAG",
     "profiler_enabled",
     "pytree",
     "storage_at",
@@ -114,13 +115,18 @@ def stream_readers() -> tuple[Callable[[], int], Callable[[int], int]]:
     return torch.cuda.current_device, lambda device: int(torch.cuda.current_stream(device).cuda_stream)
 
 
+# (torch.autograd.profiler, "_is_profiler_enabled"): see profiler_enabled
+PROFILER_FLAG: tuple[Any, str] = (torch.autograd.profiler, "_is_profiler_enabled")
+
+
 def profiler_enabled() -> bool:
-    """Whether a torch profiler runs (replays then mark each step with ``record_function``).
+    """Whether a torch profiler runs (replays then mark each step with ``record_function``):
+    ``getattr(*PROFILER_FLAG)``, which the native replay reads without a Python call.
 
     Private: torch has no public query; this is the flag its own
     ``record_function`` reads.
     """
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+    return bool(getattr(*PROFILER_FLAG))
 
 
 @contextlib.contextmanager

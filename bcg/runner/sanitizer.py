@@ -236,7 +236,9 @@ class PaddingSanitizer:
         self._device = device
         self._arange = torch.arange(rows, device=device)
         self._t_dev = torch.zeros((), dtype=torch.int32, device=device)  # int32: set with one memset
-        self._t_written: int | None = None  # the last value written into _t_dev (stream order)
+        # the last value written into _t_dev (stream order); the native call reads it (a call with
+        # the same T does not call set_rows)
+        self.rows_written: int | None = None
         self._pad_mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._mask_views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._patterns: dict[int, set[Pattern]] = {}  # run size -> shapes of fresh crossing tensors
@@ -259,10 +261,10 @@ class PaddingSanitizer:
         """
         if stream is None:
             self._t_dev.fill_(T)
-            self._t_written = None
-        elif T != self._t_written:
+            self.rows_written = None
+        elif T != self.rows_written:
             cudart.memset_d32(self._t_dev.data_ptr(), T, 1, stream)
-            self._t_written = T
+            self.rows_written = T
 
     def _mask_view(self, n: int, dim: int, ndim: int) -> torch.Tensor:
         key = (n, dim, ndim)
