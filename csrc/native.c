@@ -1100,7 +1100,7 @@ Replay_get_groups_off(ReplayObject *self, void *closure)
 static PyGetSetDef Replay_getset[] = {
     {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress (inside a breakpoint: 1 or more).",
      NULL},
-    {"groups_off", (getter)Replay_get_groups_off, NULL, "The node groups switched off for these replays (a frozenset).",
+    {"groups_off", (getter)Replay_get_groups_off, NULL, "The node groups every form skips (a frozenset), or None: not known.",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
