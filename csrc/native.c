@@ -1100,8 +1100,8 @@ Replay_get_groups_off(ReplayObject *self, void *closure)
 static PyGetSetDef Replay_getset[] = {
     {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress (inside a breakpoint: 1 or more).",
      NULL},
-    {"groups_off", (getter)Replay_get_groups_off, NULL, "The node groups every form skips (a frozenset), or None: not known.",
-     NULL},
+    {"groups_off", (getter)Replay_get_groups_off, NULL,
+     "The node groups every form skips (a frozenset), or None: not known.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1154,7 +1154,8 @@ typedef struct {
 
 static PyObject *str_background, *str_kept_own_pools, *str_serving, *str_captured, *str_failure, *str_graph,
     *str_sliced, *str_single, *str_last_stream, *str_real_rows, *str_native, *str_set_enabled, *str_replay,
-    *str_acquire, *str_release, *str_sanitizer, *str_set_rows, *str_shared, *str_first_caller, *str_rows_written;
+    *str_acquire, *str_release, *str_sanitizer, *str_set_rows, *str_shared, *str_first_caller, *str_rows_written,
+    *str_graph_replaying;
 
 static int
 Call_traverse(CallObject *self, visitproc visit, void *arg)
@@ -1240,12 +1241,15 @@ Call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 #define CALL_PYTHON() (Py_NewRef(Py_NotImplemented))
 
-/* 1 where the call lock's views_safe() would plainly say yes, with nothing to record: this thread
- * is its first caller and no other thread has called (no background capture: checked before).
- * 0: ask views_safe(). -1 with an exception set. */
+/* 1 where the call lock's views_safe() would plainly say yes, with nothing to record: no
+ * background capture, this thread its first caller and no other thread has called. 0: ask
+ * views_safe(). -1 with an exception set. (Read under the call lock, as views_safe() is.) */
 static int
 views_plainly_safe(PyObject *lock_state)
 {
+    int busy = attr_true(lock_state, str_background);
+    if (busy != 0)
+        return busy < 0 ? -1 : 0;
     int shared = attr_true(lock_state, str_shared);
     if (shared != 0)
         return shared < 0 ? -1 : 0;
@@ -1434,15 +1438,18 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
     if (same_rows < 0 || (same_rows == 0 && res == NULL))
         goto done;
     /* the padding group on or off: set_enabled is not called when the graph's native replay was
-     * built with the group already so (the graph builds another when its groups change) */
+     * built with the group already so (the graph builds another when its groups change), and no
+     * replay of the graph is in progress (a call from its breakpoint: set_enabled refuses it) */
     PyObject *native = PyObject_GetAttr(graph, str_native);
     if (native == NULL)
         goto done;
     int off = -2; /* whether the native replay's forms skip the padding group; -2: not known */
     if (Py_IS_TYPE(native, &ReplayType) && ((ReplayObject *)native)->groups_off != NULL &&
-        ((ReplayObject *)native)->groups_off != Py_None) {
-        off = PySet_Contains(((ReplayObject *)native)->groups_off, self->padding);
-        if (off < 0) {
+        ((ReplayObject *)native)->groups_off != Py_None && ((ReplayObject *)native)->replaying == 0) {
+        int busy = attr_true(graph, str_graph_replaying); /* a replay through Python */
+        if (busy == 0)
+            off = PySet_Contains(((ReplayObject *)native)->groups_off, self->padding);
+        if (busy < 0 || off == -1) {
             Py_DECREF(native);
             goto done;
         }
@@ -1581,6 +1588,7 @@ PyInit__native(void)
         {&str_replay, "replay"}, {&str_acquire, "acquire"}, {&str_release, "release"},
         {&str_sanitizer, "sanitizer"}, {&str_set_rows, "set_rows"}, {&str_shared, "shared"},
         {&str_first_caller, "first_caller"}, {&str_rows_written, "rows_written"},
+        {&str_graph_replaying, "_replaying"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);

@@ -777,6 +777,7 @@ class _Sanitizer:
 class _Graph:
     def __init__(self, log: list, native: Any = None) -> None:
         self.log, self._native = log, native
+        self._replaying = 0  # replays through Python in progress
 
     def set_enabled(self, label: str, enabled: bool) -> bool:
         self.log.append(("enabled", label, enabled))
@@ -786,15 +787,15 @@ class _Graph:
         self.log.append(("replay", live))
 
 
-def _call_kit(_native, **change):  # noqa: ANN001,ANN202
-    """A Call over fake runner state: bucket 8 captured, input_buffers(6) handed out, views of T=6 made."""
+def _call_kit(_native, T: int = 6, **change):  # noqa: ANN001,ANN202
+    """A Call over fake runner state: bucket 8 captured, input_buffers(T) handed out, views of T made."""
     import threading
     from types import SimpleNamespace
 
     log: list = []
     inputs = (object(), object())
     out = object()
-    bucket = SimpleNamespace(captured=True, single=True, failure=None, graph=_Graph(log), sliced={6: [out]},
+    bucket = SimpleNamespace(captured=True, single=True, failure=None, graph=_Graph(log), sliced={T: [out]},
                              replays=0)
     state = dict(background=0, kept=[], serving=True, device=0, stream=0x77, last=None, safe=True, ratio=-1.0)
     state.update(change)
@@ -804,7 +805,7 @@ def _call_kit(_native, **change):  # noqa: ANN001,ANN202
     ladder = SimpleNamespace(kept_own_pools=state["kept"], sanitizer=_Sanitizer(log))
     kit = SimpleNamespace(log=log, inputs=inputs, out=out, bucket=bucket, runner=runner, lock_state=lock_state,
                           call_ladder=ladder)
-    kit.call = _native.Call(runner, {id(inputs[1]): (6, 8, inputs)}, 1, {8: bucket}, ladder,
+    kit.call = _native.Call(runner, {id(inputs[1]): (T, 8, inputs)}, 1, {8: bucket}, ladder,
                             SimpleNamespace(serving=state["serving"]), lock_state, lambda: state["safe"], "padding",
                             0, lambda: state["device"], lambda d: state["stream"], state["ratio"])
     return kit
@@ -839,21 +840,55 @@ def test_call_skips_set_rows_when_the_sanitizer_wrote_that_count_last(_native) -
     assert [e for e in kit.log if e[0] == "rows"] == [("rows", 6, 0x77), ("rows", 6, 0x77)]
 
 
-@pytest.mark.parametrize("groups_off, asks", [
-    (None, True),  # the graph's replay does not know which groups its forms skip
-    (frozenset({"padding"}), True),  # the zeroing is off, and T=6 of 8 rows needs it on
-    (frozenset(), False),  # on already
-    (frozenset({"other"}), False),
+@pytest.mark.parametrize("T, groups_off, asks", [
+    (6, None, True),  # the graph's replay does not know which groups its forms skip
+    (6, frozenset({"padding"}), True),  # the zeroing is off, and T=6 of 8 rows needs it on
+    (6, frozenset(), False),  # on already
+    (6, frozenset({"other"}), False),
+    (8, frozenset(), True),  # nothing padded: the zeroing is on and must go off
+    (8, frozenset({"padding"}), False),  # off already
+    (8, None, True),
 ])
 def test_call_asks_set_enabled_only_when_the_native_replay_has_the_padding_group_otherwise(  # noqa: ANN001
-        _native, groups_off, asks) -> None:
-    kit = _call_kit(_native)
+        _native, T, groups_off, asks) -> None:
+    kit = _call_kit(_native, T=T)
     entry = (None, None, _native.Plan([lambda: None]), (), _Form(), None, None, None)
     replay = _replay_kit(_native, [entry], groups_off=groups_off)[0]
     assert replay.groups_off == groups_off
     kit.bucket.graph._native = replay
     assert kit.call.call(kit.inputs, None) is kit.out
-    assert (("enabled", "padding", True) in kit.log) == asks
+    assert [e for e in kit.log if e[0] == "enabled"] == ([("enabled", "padding", T < 8)] if asks else [])
+
+
+def test_call_during_a_replay_of_the_graph_asks_set_enabled_which_refuses_it(_native) -> None:  # noqa: ANN001
+    """A runner call from a breakpoint of the graph it would replay (or while Python replays it)
+    goes to set_enabled, which raises ReplayError there, as the Python call does."""
+    from bcg.errors import ReplayError
+
+    kit = _call_kit(_native)
+    graph = kit.bucket.graph
+    nested: list = []
+
+    def set_enabled(label: str, enabled: bool) -> bool:
+        if graph._replaying or graph._native.replaying:
+            raise ReplayError("set_enabled was called during a replay of this graph")
+        kit.log.append(("enabled", label, enabled))
+        return True
+
+    def breakpoint() -> None:
+        with pytest.raises(ReplayError, match="during a replay"):
+            kit.call.call(kit.inputs, None)
+        nested.append(True)
+
+    graph.set_enabled = set_enabled
+    entry = (None, None, _native.Plan([breakpoint]), (), _Form(), None, None, None)
+    graph._native = _replay_kit(_native, [entry], groups_off=frozenset())[0]
+    assert kit.call.call(kit.inputs, None) is kit.out and nested == [True]
+    graph._replaying = 1  # a replay through Python (the breakable form) in progress
+    graph._native = _replay_kit(_native, [(None, None, _native.Plan([lambda: None]), (), _Form(), None, None,
+                                          None)], groups_off=frozenset())[0]
+    with pytest.raises(ReplayError, match="during a replay"):
+        kit.call.call(kit.inputs, None)
 
 
 def test_call_switches_to_the_native_replay_that_set_enabled_builds(_native) -> None:  # noqa: ANN001

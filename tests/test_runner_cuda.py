@@ -548,6 +548,7 @@ def test_native_calls_switch_the_zeroing_when_padding_starts_or_stops_and_ask_no
     """Calls on ``input_buffers(T)`` (the native call) ask ``set_enabled`` only when the padding
     changes; between, the graph's native replay carries the groups off. Padded rows hold NaN
     before each padded call, and the model sums over tokens: outputs stay finite and equal eager."""
+    from bcg.core import native
     from bcg.runner.graph_runner import GraphRunner
     from bcg.runner.sanitizer import PADDING
 
@@ -583,14 +584,15 @@ def test_native_calls_switch_the_zeroing_when_padding_starts_or_stops_and_ask_no
         asked.clear()
         before = python_calls[0]
         y = runner(bx, bpos, live=live)
-        native = python_calls[0] == before
-        assert native == (T in seen), f"T={T}: the call ran in {'C' if native else 'Python'}"
-        if native:  # asked only where the padding changed since the last call
+        in_c = python_calls[0] == before
+        assert in_c == (T in seen), f"T={T}: the call ran in {'C' if in_c else 'Python'}"
+        if in_c:  # asked only where the padding changed since the last call
             assert asked == ([T < 64] if (T < 64) != (previous < 64) else []), (T, previous, asked)
         seen.add(T)
         previous = T
         replay = runner.graph(64)._native
-        assert replay is not None and replay.groups_off == (frozenset({PADDING}) if T == 64 else frozenset()), T
+        assert isinstance(replay, native.module().Replay), T
+        assert replay.groups_off == (frozenset({PADDING}) if T == 64 else frozenset()), T
         assert torch.isfinite(y).all(), f"NaN/inf at T={T}"
         with bcg.live_scope(live), torch.no_grad():
             expected = model(x, pos)
