@@ -1446,6 +1446,7 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
     int off = -2; /* whether the native replay's forms skip the padding group; -2: not known */
     if (Py_IS_TYPE(native, &ReplayType) && ((ReplayObject *)native)->groups_off != NULL &&
         ((ReplayObject *)native)->groups_off != Py_None && ((ReplayObject *)native)->replaying == 0) {
+        /* (with replaying above: the two counts BreakableGraph._in_replay reads) */
         int busy = attr_true(graph, str_graph_replaying); /* a replay through Python */
         if (busy == 0)
             off = PySet_Contains(((ReplayObject *)native)->groups_off, self->padding);

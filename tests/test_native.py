@@ -616,6 +616,11 @@ def _replay_kit(_native, forms, *, device: int = 0, profiling: bool = False, sus
     return replay, log
 
 
+def _tail_only(_native, fn):  # noqa: ANN001,ANN202
+    """A form entry of a Replay with one plan (no staged checks, no head, no prepare): ``fn`` its one step."""
+    return (None, None, _native.Plan([fn]), (), _Form(), None, None, None)
+
+
 def _fits(log, name: str, answer: bool):  # noqa: ANN001,ANN202
     def fits(live, staged=None):  # noqa: ANN001,ANN202
         log.append((name, live, staged))
@@ -657,7 +662,7 @@ def test_replay_leaves_to_python_what_it_does_not_run(_native) -> None:  # noqa:
     assert replay.run(2) == "slow result" and log[-1] == ("slow", 2, 1, "attn does not fit")
     # another current device: Python raises, naming the device
     ran: list = []
-    only = (None, None, _native.Plan([lambda: ran.append(1)]), (), _Form(), None, None, None)
+    only = _tail_only(_native, lambda: ran.append(1))
     replay, _ = _replay_kit(_native, [only], device=3, log=log)
     assert replay.run(3) == "slow result" and log[-1] == ("slow", 3, 0, None) and not ran
     # a profiler runs: all of it in Python, nothing asked first
@@ -823,7 +828,7 @@ def test_call_serves_a_call_on_handed_buffers_under_the_call_lock(_native) -> No
 def test_call_replays_the_graphs_native_replay_when_it_has_one(_native) -> None:  # noqa: ANN001
     kit = _call_kit(_native)
     ran: list = []
-    entry = (None, None, _native.Plan([lambda: ran.append(bcg.live())]), (), _Form(), None, None, None)
+    entry = _tail_only(_native, lambda: ran.append(bcg.live()))
     kit.bucket.graph._native = _replay_kit(_native, [entry])[0]
     assert kit.call.call(kit.inputs, "meta") is kit.out and ran == ["meta"]
     assert ("replay", "meta") not in kit.log  # not through the graph's Python replay
@@ -852,7 +857,7 @@ def test_call_skips_set_rows_when_the_sanitizer_wrote_that_count_last(_native) -
 def test_call_asks_set_enabled_only_when_the_native_replay_has_the_padding_group_otherwise(  # noqa: ANN001
         _native, T, groups_off, asks) -> None:
     kit = _call_kit(_native, T=T)
-    entry = (None, None, _native.Plan([lambda: None]), (), _Form(), None, None, None)
+    entry = _tail_only(_native, lambda: None)
     replay = _replay_kit(_native, [entry], groups_off=groups_off)[0]
     assert replay.groups_off == groups_off
     kit.bucket.graph._native = replay
@@ -881,12 +886,11 @@ def test_call_during_a_replay_of_the_graph_asks_set_enabled_which_refuses_it(_na
         nested.append(True)
 
     graph.set_enabled = set_enabled
-    entry = (None, None, _native.Plan([breakpoint]), (), _Form(), None, None, None)
+    entry = _tail_only(_native, breakpoint)
     graph._native = _replay_kit(_native, [entry], groups_off=frozenset())[0]
     assert kit.call.call(kit.inputs, None) is kit.out and nested == [True]
     graph._replaying = 1  # a replay through Python (the breakable form) in progress
-    graph._native = _replay_kit(_native, [(None, None, _native.Plan([lambda: None]), (), _Form(), None, None,
-                                          None)], groups_off=frozenset())[0]
+    graph._native = _replay_kit(_native, [_tail_only(_native, lambda: None)], groups_off=frozenset())[0]
     with pytest.raises(ReplayError, match="during a replay"):
         kit.call.call(kit.inputs, None)
 
@@ -896,10 +900,8 @@ def test_call_switches_to_the_native_replay_that_set_enabled_builds(_native) -> 
     one in place after it, not the one it read before."""
     kit = _call_kit(_native)
     ran: list = []
-    old = _replay_kit(_native, [(None, None, _native.Plan([lambda: ran.append("old")]), (), _Form(), None, None,
-                                 None)], groups_off=frozenset({"padding"}))[0]
-    new = _replay_kit(_native, [(None, None, _native.Plan([lambda: ran.append("new")]), (), _Form(), None, None,
-                                 None)], groups_off=frozenset())[0]
+    old = _replay_kit(_native, [_tail_only(_native, lambda: ran.append("old"))], groups_off=frozenset({"padding"}))[0]
+    new = _replay_kit(_native, [_tail_only(_native, lambda: ran.append("new"))], groups_off=frozenset())[0]
     graph = kit.bucket.graph
     graph._native = old
 
