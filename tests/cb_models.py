@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -9,8 +10,8 @@ import torch
 
 
 def fresh_seed() -> int:
-    """A random seed, printed (a failure names the seed to rerun it with)."""
-    seed = random.randrange(2**31)
+    """A random seed, printed (a failure names the seed: ``BCG_TEST_SEED=<seed>`` reruns with it)."""
+    seed = int(os.environ.get("BCG_TEST_SEED") or random.randrange(2**31))
     print(f"seed {seed}")
     return seed
 

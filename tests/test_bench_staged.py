@@ -347,6 +347,21 @@ def test_user_time_counts_the_wrapped_callbacks_and_keeps_their_signature() -> N
     assert clock.seconds >= 0.002  # (a callback that raises counts too)
 
 
+def test_user_time_charges_each_wrapped_call_its_wrapper_overhead_besides_the_time_inside() -> None:
+    """What a call's host time loses for its callbacks: the time inside them plus, per call, what the
+    wrapper costs outside its clock (measured once, on a no-op), so that none of it counts as bcg's."""
+    clock = timing.UserTime()
+    assert 0.0 <= clock.overhead < 1e-3 and clock.calls == 0 and clock.charged() == 0.0
+    wrapped = clock.wrap(lambda live: time.sleep(0.001))
+    for _ in range(3):
+        wrapped(None)
+    assert clock.calls == 3 and clock.seconds >= 0.003
+    assert clock.charged() == pytest.approx(clock.seconds + 3 * clock.overhead)
+    with pytest.raises(ZeroDivisionError):
+        clock.wrap(lambda: 1 / 0)()
+    assert clock.calls == 4  # (a callback that raises is charged too)
+
+
 def test_a_floor_that_fails_while_its_host_time_is_sampled_is_reported_and_no_mode_is_paired_with_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls = [0]

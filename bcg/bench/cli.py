@@ -59,7 +59,8 @@ TIMING_NOTE = (
     "host_us_per_replay: median of 30 more calls per mode (floors and bcg), interleaved the same way, each from a "
     "synchronize until the call returns; host_us_over_floor: the median over rounds of the difference to the floor's; "
     "host_us_bcg (staged runner modes): the median over the same calls of the runner call's host time less the "
-    "time in the staged breakpoint's fits and prepare (the live metadata is built before the call)"
+    "time in the staged breakpoint's fits and prepare, and the timer's own cost around each of them (calibrated on a "
+    "no-op at start; the live metadata is built before the call)"
 )
 
 

@@ -219,9 +219,9 @@ def _bcg_runner(
 
         def run() -> torch.Tensor:  # (the live metadata is built before the call: the caller's work)
             live = fresh_live()
-            user0, t0 = clock.seconds, now()
+            user0, t0 = clock.charged(), now()
             out = runner(*args, live=live)
-            own.append(now() - t0 - (clock.seconds - user0))
+            own.append(now() - t0 - (clock.charged() - user0))
             return out
 
     def check() -> torch.Tensor:  # on the case's current inputs (fresh ones, when checked)
