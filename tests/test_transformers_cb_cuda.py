@@ -4,6 +4,7 @@ through bcg graphs (staged and plain attention) gives transformers' own tokens, 
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,55 @@ def test_fp32_tokens_equal_transformers_request_by_request(staged: bool, async_b
     if staged:
         assert stats["inline_replays"] > 0
     graphs.disable()
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "plain"])
+def test_a_step_reads_what_transformers_wrote_late_on_its_default_stream(staged: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' synchronous batching writes a step's last index copy on the default stream,
+    unsynchronized, and runs the forward on its compute stream. Here that copy lands late on
+    purpose (behind a long sleep, the storage holding trash until then): bcg's step still reads
+    the step's own indices and gives transformers' tokens. Control: without bcg's wait it does not."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    import bcg.integrations.transformers.graphs as cb_graphs
+
+    seed = fresh_seed()
+    model = tiny_llama(seed, device="cuda", **SHAPE)
+    requests = prompts(seed, 8, 20, 120, SHAPE["vocab"])
+    expected = generate(model, requests, 6, **CB)
+    real = ContinuousBatchingIOs.get_model_kwargs
+    late = [0]
+
+    def get_model_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        good = self.read_index_storage.clone()
+        self.read_index_storage.fill_(self._read_trash_index)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(20_000_000)  # (about 10 ms: far longer than the host takes to the forward)
+            self.read_index_storage.copy_(good)
+        late[0] += 1
+        return out
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
+    graphs = bcg_transformers.enable(model, staged=staged, kv_bounds=(512, 2048, 8192))
+    got = generate(model, requests, 6, **CB)
+    assert late[0] > 0 and graphs.stats()["graph_calls"] > 0
+    assert got == expected, [rid for rid in expected if got[rid] != expected[rid]]
+    monkeypatch.setattr(cb_graphs, "_after_default_stream", lambda device: None)
+    unordered = generate(model, requests, 6, **CB)
+    graphs.disable()
+    assert unordered != expected, "control: the late copy did not reach a step that does not wait for it"
+
+
+def _preferred(reference: object, prompt: list[int], expected: list[int], got: list[int], i: int) -> str:
+    """Which run's token ``i`` fp32 prefers (a failure says whose generation went wrong)."""
+    ids = torch.tensor([prompt + expected[:i]], device="cuda")
+    exact = reference(input_ids=ids, use_cache=False).logits[0, -1].float()  # type: ignore[operator]
+    best = "transformers' own run" if exact[expected[i]] > exact[got[i]] else "bcg's run"
+    return f"fp32 prefers {best}'s token (expected {expected[i]}, got {got[i]}, fp32 argmax {exact.argmax().item()})"
 
 
 def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
@@ -86,7 +136,8 @@ def test_bf16_flash_tokens_differ_only_at_near_ties() -> None:
         i, gap, noise = divergence(reference, model, requests[index[rid]], expected[rid], got[rid])
         print(f"{rid}: prompt {len(requests[index[rid]])} tokens, first differs at token {i}: fp32 gap {gap:.4f}, "
               f"bf16 noise {noise:.4f}")
-        assert gap <= 4 * noise, f"{rid} differs at token {i} where fp32 tells the tokens apart ({gap} > 4 x {noise})"
+        assert gap <= 4 * noise, (f"{rid} differs at token {i} where fp32 tells the tokens apart ({gap} > 4 x {noise}): "
+                                  f"{_preferred(reference, requests[index[rid]], expected[rid], got[rid], i)}")
     print(f"bf16 flash: {len(expected) - len(differ)}/{len(expected)} requests equal to transformers' CB")
     # control: the check tells a wrong token from a near-tie
     rid = next(iter(expected))

@@ -163,6 +163,8 @@ class ContinuousBatchingGraphs:
                 "transformers is capturing its own CUDA graph around a forward that bcg runs: pass "
                 "ContinuousBatchingConfig(use_cuda_graph=False) to generate_batch / init_continuous_batching")
         meta = self._step_meta(kwargs)
+        if kwargs["input_ids"].is_cuda:
+            _after_default_stream(kwargs["input_ids"].device)
         runner = self._runner_for(cache, kwargs["input_ids"])
         indices = self.attention.indices
         if indices is not None:
@@ -362,6 +364,21 @@ def _session_ended(ref: weakref.ref[ContinuousBatchingGraphs], session: int) -> 
             handle.release()
     finally:
         handle._session_lock.release()
+
+
+def _after_default_stream(device: torch.device) -> None:
+    """Order the current stream after the device's default stream.
+
+    transformers' synchronous batching writes a step's tensors on the generation thread's default
+    stream (its last copy, of the read indices, is not synchronized) and runs the forward on its
+    own compute stream, which does not wait for the default stream. bcg reads those tensors first
+    thing in the step (:meth:`StaticIndices.load`), so it waits for that stream's work first. (With
+    async batching the compute stream already waits for the copies; this wait then finds nothing.)
+    """
+    stream = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if stream != default:
+        stream.wait_stream(default)
 
 
 def _is_step(kwargs: dict[str, Any]) -> bool:
