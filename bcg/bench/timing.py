@@ -28,12 +28,13 @@ class UserTime:
     One per set of callbacks (not per process): each workload object that makes them owns one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, overhead: float | None = None) -> None:
         self.seconds = 0.0  # inside the wrapped callbacks, from clock to clock
         self.calls = 0
         # per call, what the wrapper costs outside its clock reads (its frame, the calls of the
-        # clock): neither the user's nor bcg's, so charged to the callbacks (see charged)
-        self.overhead = _wrapper_overhead()
+        # clock): neither the user's nor bcg's, so charged to the callbacks (see charged);
+        # None: measured now
+        self.overhead = _wrapper_overhead() if overhead is None else overhead
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, timed into :attr:`seconds` (its signature kept: bcg reads ``fits``' arity)."""
@@ -59,8 +60,7 @@ class UserTime:
 def _wrapper_overhead(calls: int = 2000, rounds: int = 5) -> float:
     """Seconds per call that calling a :meth:`UserTime.wrap` wrapper of a no-op costs outside its
     clock reads: the least over ``rounds`` (a host hiccup counts as bcg's, not the wrapper's)."""
-    probe = UserTime.__new__(UserTime)
-    probe.seconds, probe.calls = 0.0, 0
+    probe = UserTime(overhead=0.0)
     noop = probe.wrap(lambda: None)
     clock = time.perf_counter
     best = float("inf")
