@@ -77,20 +77,24 @@ def test_a_step_reads_what_transformers_wrote_late_on_its_default_stream(staged:
         return out
 
     monkeypatch.setattr(ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
+    cb = {**CB, "use_async_batching": False}  # (the synchronous batching this race is in)
     graphs = bcg_transformers.enable(model, staged=staged, kv_bounds=(512, 2048, 8192))
-    got = generate(model, requests, 6, **CB)
-    assert late[0] > 0 and graphs.stats()["graph_calls"] > 0
-    assert got == expected, [rid for rid in expected if got[rid] != expected[rid]]
-    monkeypatch.setattr(cb_graphs, "_after_default_stream", lambda device: None)
-    unordered = generate(model, requests, 6, **CB)
-    graphs.disable()
+    try:
+        got = generate(model, requests, 6, **cb)
+        assert late[0] > 0 and graphs.stats()["graph_calls"] > 0
+        assert got == expected, [rid for rid in expected if got[rid] != expected[rid]]
+        monkeypatch.setattr(cb_graphs, "_after_default_stream", lambda device: None)
+        unordered = generate(model, requests, 6, **cb)
+    finally:
+        graphs.disable()
     assert unordered != expected, "control: the late copy did not reach a step that does not wait for it"
 
 
 def _preferred(reference: object, prompt: list[int], expected: list[int], got: list[int], i: int) -> str:
     """Which run's token ``i`` fp32 prefers (a failure says whose generation went wrong)."""
     ids = torch.tensor([prompt + expected[:i]], device="cuda")
-    exact = reference(input_ids=ids, use_cache=False).logits[0, -1].float()  # type: ignore[operator]
+    with torch.no_grad():
+        exact = reference(input_ids=ids, use_cache=False).logits[0, -1].float()  # type: ignore[operator]
     best = "transformers' own run" if exact[expected[i]] > exact[got[i]] else "bcg's run"
     return f"fp32 prefers {best}'s token (expected {expected[i]}, got {got[i]}, fp32 argmax {exact.argmax().item()})"
 

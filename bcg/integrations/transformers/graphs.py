@@ -369,11 +369,16 @@ def _session_ended(ref: weakref.ref[ContinuousBatchingGraphs], session: int) -> 
 def _after_default_stream(device: torch.device) -> None:
     """Order the current stream after the device's default stream.
 
-    transformers' synchronous batching writes a step's tensors on the generation thread's default
-    stream (its last copy, of the read indices, is not synchronized) and runs the forward on its
-    own compute stream, which does not wait for the default stream. bcg reads those tensors first
-    thing in the step (:meth:`StaticIndices.load`), so it waits for that stream's work first. (With
-    async batching the compute stream already waits for the copies; this wait then finds nothing.)
+    transformers' synchronous batching writes a step's tensors on the device's default stream
+    (its last copy, of the read indices, or of the write indices where the step reads no cache,
+    is not synchronized) and runs the forward on its own compute stream, which does not wait for
+    the default stream. bcg reads those tensors first in the step (:meth:`StaticIndices.load`,
+    the runner's input copies), so the step waits for that stream's work first. (With async
+    batching the compute stream already waits for transformers' copies.)
+
+    .. warning::
+        The default stream is the device's, not the thread's: a step also waits for work other
+        threads queued there.
     """
     stream = torch.cuda.current_stream(device)
     default = torch.cuda.default_stream(device)
