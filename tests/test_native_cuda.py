@@ -4,9 +4,7 @@ RNG bookkeeping, errors, streams, threads, and its per-segment overhead."""
 from __future__ import annotations
 
 
-import statistics
 import threading
-import time
 import warnings
 
 import pytest
@@ -300,22 +298,23 @@ def _rng_free_fn(a: torch.Tensor) -> torch.Tensor:
     return h.cos()
 
 
-# -- overhead -------------------------------------------------------------------------------------
+# -- back-to-back replays ---------------------------------------------------------------------------
+# (How fast each executor launches is a benchmark's question: `bcg-bench --workload micro --modes
+# floor,bcg,bcg-python`, whose rows give the host time per segment; no timed test asserts it.)
 
 
 @pytest.mark.cuda
-def test_native_per_segment_overhead() -> None:
-    """The native loop launches segments faster than torch's own ``CUDAGraph.replay()`` called
-    from a Python loop over the same segments (and than the Python executor), measured in the
-    same test, interleaved: no absolute bound that a loaded machine would break."""
+def test_back_to_back_replays_run_every_segment_once_with_either_executor() -> None:
+    """Replays queued back to back, with no synchronize between them, each launch every segment
+    once, in order, whichever executor runs them: the native one launches one graph per segment."""
     from bcg.core.replay import PythonExecutor
 
     segments = 32
     x = torch.zeros(64, device="cuda")
 
     def fn(a: torch.Tensor) -> torch.Tensor:
-        for _ in range(segments):
-            a.add_(1)
+        for i in range(segments):
+            a.mul_(2.0 if i % 2 else 1.0).add_(1)  # not commutative: a segment run twice or out of order shows
             bcg.graph_break()
         return a
 
@@ -323,45 +322,13 @@ def test_native_per_segment_overhead() -> None:
     assert graph.stats().segments == segments and graph.stats().breakpoints == 0
     graph.use_executor("native")
     assert graph.executor == "native" and graph.forms[0].executor.launches == segments
-    launches = [s.cuda_graph.replay for s in graph.forms[0].segments]  # torch's replay of the same graphs
-
-    def torch_loop() -> None:
-        for launch in launches:
-            launch()
-
-    runs = {"native": graph.replay, "torch": torch_loop, "python": PythonExecutor(graph.plan).run}
-    for run in runs.values():
-        for _ in range(20):
+    start = torch.rand(64, device="cuda")
+    expected = start.clone()
+    for _ in range(3):
+        fn(expected)
+    for run in (graph.replay, PythonExecutor(graph.plan).run):
+        x.copy_(start)
+        for _ in range(3):
             run()
-    torch.cuda.synchronize()
-
-    def block_us(run) -> float:  # noqa: ANN001 - median host time per segment over a short block
-        samples = []
-        for _ in range(5):
-            torch.cuda.synchronize()  # an empty launch queue before each sample
-            t0 = time.perf_counter()
-            for _ in range(4):  # 128 launches, well inside the launch queue
-                run()
-            samples.append((time.perf_counter() - t0) / (4 * segments) * 1e6)
         torch.cuda.synchronize()
-        return statistics.median(samples)
-
-    blocks: dict[str, list[float]] = {name: [] for name in runs}
-    order = list(runs)
-    for i in range(30):  # rounds, the order alternating, so that drift hits every mode alike
-        for name in order if i % 2 == 0 else order[::-1]:
-            blocks[name].append(block_us(runs[name]))
-    us = {name: statistics.median(b) for name, b in blocks.items()}
-    paired = statistics.median(n / t for n, t in zip(blocks["native"], blocks["torch"]))
-    print(
-        f"\nper-segment host time: native {us['native']:.2f} us, torch CUDAGraph.replay loop "
-        f"{us['torch']:.2f} us, python executor {us['python']:.2f} us; native/torch per round {paired:.3f} "
-        f"(worst round {max(n / t for n, t in zip(blocks['native'], blocks['torch'])):.3f})"
-    )
-    assert us["native"] < us["torch"], us
-    assert paired < 1.0, paired
-    assert us["native"] < us["python"], us
-    x.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(x, torch.full_like(x, float(segments)))
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
