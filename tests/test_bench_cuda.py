@@ -60,6 +60,8 @@ def test_tiny_llama_all_modes(tmp_path: Path) -> None:
             assert row["rel_err"] == 0.0, row
         if row["mode"] in ("floor", "bcg", *STAGED, *KEYED):
             assert isinstance(row["host_us_per_replay"], float) and row["host_us_per_replay"] > 0, row
+        if row["mode"] in STAGED:  # bcg's own share of the host-timed calls: less fits and prepare
+            assert 0 < row["host_us_bcg"] < row["host_us_per_replay"], row
         if row["mode"] == "bcg-specialized":  # one tuple: after the warm-up calls, every call one stitched launch
             assert row["hit_rate"] == 1.0 and row["stitched_share"] == 1.0 and row["variant_captures"] == 0, row
             assert row["cache_mib"] > 0 and "inline_fraction" not in row, row

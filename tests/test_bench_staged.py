@@ -292,32 +292,45 @@ def test_host_time_is_sampled_interleaved_after_the_timed_replays_and_paired_wit
     assert set(host_calls[:10]) == {"floor", "test-runner"}  # ... in rounds of both modes
 
 
-def test_host_us_bcg_is_the_median_of_the_host_timed_calls_own_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A runner mode's row gets host_us_bcg from what its calls recorded as bcg's own time during the host-timed
-    calls alone (not the timed replays before them); modes that keep none get no such field."""
-    def make(own: list[float] | None, phase: list[str]) -> Any:
+def test_host_us_bcg_comes_from_the_host_timed_calls_alone_and_the_timed_replays_run_no_clock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner mode's host-timed calls go through its ``host_run`` (which keeps bcg's own time: the
+    row's host_us_bcg is their median); its timed replays go through ``run``, with no clock; modes
+    that keep none get no such field."""
+    phase = ["first"]  # the first replay after each build, before the timed ones
+    calls: dict[tuple[str, str], int] = {}
+
+    def make(name: str, own: list[float] | None) -> Any:
         def build(case: object, ctx: object) -> registry.Built:
             eager = modes.build_eager(case, ctx)  # type: ignore[arg-type]
 
             def run() -> torch.Tensor:
-                if own is not None:
-                    own.append(99e-6 if phase[0] == "timed" else 7e-6)
+                calls[(name, phase[0])] = calls.get((name, phase[0]), 0) + 1
                 return eager.run()
 
-            return registry.Built(run=run, host=True, own_host_s=own)
+            def host_run() -> torch.Tensor:
+                assert phase[0] == "host", "host_run called outside the host-timed calls"
+                assert own is not None
+                own.append(7e-6)
+                return eager.run()
+
+            return registry.Built(run=run, host=True, host_run=host_run if own is not None else None,
+                                  own_host_s=own)
 
         return registry.ModeSpec("x", build, False, "", lambda: None)
 
-    phase = ["timed"]
     real = timing.sample_interleaved
 
     def sample(fns: Any, sync: Any, iters: int, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
         phase[0] = "timed" if wait else "host"
-        return real(fns, sync, iters, *args, wait=wait, **kwargs)
+        try:
+            return real(fns, sync, iters, *args, wait=wait, **kwargs)
+        finally:
+            phase[0] = "check"
 
     monkeypatch.setattr(cli, "sample_interleaved", sample)
-    monkeypatch.setitem(cli.MODES, "floor", make(None, phase))
-    monkeypatch.setitem(cli.MODES, "test-runner", make([], phase))
+    monkeypatch.setitem(cli.MODES, "floor", make("floor", None))
+    monkeypatch.setitem(cli.MODES, "test-runner", make("test-runner", []))
     args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
     case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
     ref = cli._reference(case, lambda: None)
@@ -330,10 +343,24 @@ def test_host_us_bcg_is_the_median_of_the_host_timed_calls_own_time_only(monkeyp
                                                       skipped=fail, progress=lambda step: None)}
     assert rows["test-runner"]["host_us_bcg"] == pytest.approx(7.0)
     assert "host_us_bcg" not in rows["floor"]
+    assert calls[("test-runner", "timed")] == calls[("floor", "timed")] == 5
+    assert ("test-runner", "host") not in calls  # its host-timed calls went through host_run
+    assert calls[("floor", "host")] == cli.HOST_CALLS  # a mode without host_run: run
+
+
+def test_user_time_clocks_only_while_counting() -> None:
+    """The wrapped callbacks of a staged breakpoint pass through unclocked unless counting is set
+    (so that the timed replays pay for no clock), and count every call while it is."""
+    clock = timing.UserTime()
+    wrapped = clock.wrap(lambda live: time.sleep(0.001) or live)
+    assert wrapped(3) == 3 and clock.calls == 0 and clock.seconds == 0.0
+    clock.counting = True
+    assert wrapped(4) == 4 and clock.calls == 1 and clock.seconds >= 0.001
 
 
 def test_user_time_counts_the_wrapped_callbacks_and_keeps_their_signature() -> None:
     clock = timing.UserTime()
+    clock.counting = True
 
     def fits(live: Any, staged: Any) -> bool:
         time.sleep(0.002)
@@ -351,6 +378,7 @@ def test_user_time_charges_each_wrapped_call_its_wrapper_overhead_besides_the_ti
     """What a call's host time loses for its callbacks: the time inside them plus, per call, what the
     wrapper costs outside its clock (measured once, on a no-op), so that none of it counts as bcg's."""
     clock = timing.UserTime()
+    clock.counting = True
     assert 0.0 <= clock.overhead < 1e-3 and clock.calls == 0 and clock.charged() == 0.0
     wrapped = clock.wrap(lambda live: time.sleep(0.001))
     for _ in range(3):

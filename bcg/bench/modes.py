@@ -208,21 +208,28 @@ def _bcg_runner(
     stats = graph.stats()
     fresh_live = live_stream if live_stream is not None else case.fresh_live
 
+    def run() -> torch.Tensor:  # (the live metadata is built in the call: the caller's work)
+        return runner(*args, live=fresh_live())
+
     clock = case.user_time
     own: list[float] | None = None
-    if clock is None:
-        def run() -> torch.Tensor:
-            return runner(*args, live=fresh_live())
-    else:
+    host_run: Callable[[], torch.Tensor] | None = None
+    if clock is not None:  # the host-timed calls keep bcg's own time; the timed replays run no clock
         own = []
         now = time.perf_counter
 
-        def run() -> torch.Tensor:  # (the live metadata is built before the call: the caller's work)
+        def counted_run() -> torch.Tensor:
             live = fresh_live()
-            user0, t0 = clock.charged(), now()
-            out = runner(*args, live=live)
-            own.append(now() - t0 - (clock.charged() - user0))
+            clock.counting = True
+            try:
+                user0, t0 = clock.charged(), now()
+                out = runner(*args, live=live)
+                own.append(now() - t0 - (clock.charged() - user0))
+            finally:
+                clock.counting = False
             return out
+
+        host_run = counted_run
 
     def check() -> torch.Tensor:  # on the case's current inputs (fresh ones, when checked)
         load_inputs()
@@ -239,6 +246,7 @@ def _bcg_runner(
         close=runner.reset,
         measure=_runner_measures(runner.stats, staged=staged, keyed=keyed) if staged or keyed else None,
         host=True,
+        host_run=host_run,
         check=check,
         own_host_s=own,
     )

@@ -56,8 +56,11 @@ class Built:
     # metadata (None: ``run``; modes whose ``run`` draws other metadata each call, or reads
     # inputs from buffers of its own, need it)
     check: Callable[[], torch.Tensor] | None = None
-    # seconds of bcg's own host time per ``run`` (the runner call less the user's fits and
-    # prepare), appended by each call; rows get host_us_bcg from the host-timed calls' (None: not kept)
+    # what the host-timed calls call instead of ``run`` (None: ``run``): ``run`` with clocks that
+    # the timed replays must not pay for (see own_host_s)
+    host_run: Callable[[], torch.Tensor] | None = None
+    # seconds of bcg's own host time per host-timed call (the runner call less the user's fits
+    # and prepare), appended by ``host_run``; rows get host_us_bcg, their median (None: not kept)
     own_host_s: list[float] | None = None
 
 
@@ -180,4 +183,4 @@ def looped(case: Case, built: Built, step: Step, inputs: Sequence[torch.Tensor])
 
         return stop
 
-    return dataclasses.replace(built, run=run, check=run, measure=measure, host=False)
+    return dataclasses.replace(built, run=run, check=run, measure=measure, host=False, host_run=None)

@@ -25,23 +25,29 @@ class UserTime:
     """Seconds spent in the user's callbacks that :meth:`wrap` wrapped (a staged breakpoint's
     ``fits`` and ``prepare``): a call's host time less :meth:`charged` is bcg's own (``host_us_bcg``).
 
+    The wrappers count only while :attr:`counting` is set (the host-timed calls set it); otherwise
+    they pass the call through unclocked, so that the clocks add nothing to the timed replays.
     One per set of callbacks (not per process): each workload object that makes them owns one.
     """
 
     def __init__(self, overhead: float | None = None) -> None:
-        self.seconds = 0.0  # inside the wrapped callbacks, from clock to clock
+        self.seconds = 0.0  # inside the wrapped callbacks, from clock to clock, while counting
         self.calls = 0
+        self.counting = False
         # per call, what the wrapper costs outside its clock reads (its frame, the calls of the
         # clock): neither the user's nor bcg's, so charged to the callbacks (see charged);
         # None: measured now
         self.overhead = _wrapper_overhead() if overhead is None else overhead
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, timed into :attr:`seconds` (its signature kept: bcg reads ``fits``' arity)."""
+        """``fn``, timed into :attr:`seconds` while :attr:`counting` (its signature kept: bcg
+        reads ``fits``' arity)."""
         clock = time.perf_counter
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.counting:
+                return fn(*args, **kwargs)
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
@@ -61,6 +67,7 @@ def _wrapper_overhead(calls: int = 2000, rounds: int = 5) -> float:
     """Seconds per call that calling a :meth:`UserTime.wrap` wrapper of a no-op costs outside its
     clock reads: the least over ``rounds`` (a host hiccup counts as bcg's, not the wrapper's)."""
     probe = UserTime(overhead=0.0)
+    probe.counting = True
     noop = probe.wrap(lambda: None)
     clock = time.perf_counter
     best = float("inf")
