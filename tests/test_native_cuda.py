@@ -1,5 +1,5 @@
 """The native executor (``bcg._native``) on a GPU: the same results as the Python executor,
-RNG bookkeeping, errors, streams, threads, and its per-segment overhead."""
+RNG bookkeeping, errors, streams, threads, and back-to-back replays (its speed: `bcg-bench --workload micro`)."""
 
 from __future__ import annotations
 
