@@ -607,3 +607,14 @@ def test_cpu_decode_and_mixed_points_over_a_paged_cache(no_cuda: None, tmp_path:
         assert r["tokens"] == r["T"] and r["page"] == 4 and r["context_pages"] == 10
         assert r["requests"] == (r["T"] if r["attn"] == "decode" else r["T"] // 2 + min(4, r["T"] - r["T"] // 2))
         assert r["max_context"] <= 40
+
+
+def test_mean_of_captures_averages_sample_by_sample() -> None:
+    from bcg.bench.timing import mean_of_captures
+
+    assert mean_of_captures([[1.0, 2.0, 9.0], [3.0, 4.0, 1.0]]) == [2.0, 3.0, 5.0]
+    assert mean_of_captures([[1.0, 2.0]]) == [1.0, 2.0]
+    with pytest.raises(ValueError, match="all of one length"):
+        mean_of_captures([[1.0, 2.0], [1.0]])
+    with pytest.raises(ValueError):
+        mean_of_captures([])

@@ -505,3 +505,97 @@ def test_the_partition_peers_attention_op_computes_the_breakpoints_attention(att
     bp = llama.attention_flash if attn == "flash" else llama.attention_varlen
     with bcg.live_scope(batch):
         torch.testing.assert_close(model.forward(x, pos, op), model.forward(x, pos, bp))
+
+
+def test_captures_time_every_build_of_a_mode_in_the_same_rounds_and_rows_give_their_mean(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With captures=2 each mode is built twice and both builds are timed in every round; a row's
+    samples are the two builds' mean, sample by sample, its paired ratio to the floor that of the
+    means, and ratio_to_floor_paired_by_capture each build's against the floor's mean. Measures,
+    host times and build fields come from the first build, rel_err is the worse; all are closed."""
+    clock = [0.0]
+    built: list[str] = []
+    closed: list[str] = []
+    measured: list[str] = []
+
+    def timed_ms(fn: Any, sync: Any, wait: bool = True) -> float:
+        t0 = clock[0]
+        fn()
+        return (clock[0] - t0) / 1e3
+
+    monkeypatch.setattr(timing, "timed_ms", timed_ms)
+
+    def make(name: str, us: tuple[float, float], errs: tuple[float, float] = (0.0, 0.0)) -> Any:
+        def build(case: object, ctx: object) -> registry.Built:
+            k = sum(b.startswith(name + "/") for b in built)
+            label = f"{name}/{k}"
+            built.append(label)
+            eager = modes.build_eager(case, ctx)  # type: ignore[arg-type]
+
+            def run() -> torch.Tensor:
+                clock[0] += us[k]
+                return eager.run()
+
+            def check() -> torch.Tensor:
+                return eager.run() * (1 + errs[k])
+
+            def measure() -> Any:
+                measured.append(label)
+                return lambda: {"measured_build": label}
+
+            return registry.Built(run=run, host=True, check=check, measure=measure, capture_s=float(k),
+                                  close=lambda: closed.append(label))
+
+        return registry.ModeSpec(name, build, False, "", lambda: None)
+
+    monkeypatch.setitem(cli.MODES, "floor", make("floor", (10.0, 12.0)))
+    monkeypatch.setitem(cli.MODES, "test-runner", make("test-runner", (20.0, 24.0), errs=(0.0, 0.5)))
+    args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop", "--captures", "2"], cuda=False)
+    assert args.captures == 2 and cli.parse_args([], cuda=False).captures == 1
+    case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
+    ref = cli._reference(case, lambda: None)
+
+    def fail(mode: str, exc: Exception) -> None:
+        raise exc
+
+    rows = cli._measure_case(case, ["floor", "test-runner"], lambda c: ref, registry.BuildContext(), 10, 0,
+                             lambda: None, failed=fail, skipped=fail, progress=lambda step: None,
+                             captures=args.captures)
+    cli._finish_case(case, rows)
+    by = {r["mode"]: r for r in rows}
+    assert built == ["floor/0", "floor/1", "test-runner/0", "test-runner/1"]
+    assert sorted(closed) == sorted(built) and measured == ["floor/0", "test-runner/0"]
+    runner, floor = by["test-runner"], by["floor"]
+    assert runner["captures"] == floor["captures"] == 2
+    assert runner["samples_ms"] == pytest.approx([0.022] * 10) and floor["samples_ms"] == pytest.approx([0.011] * 10)
+    assert runner["capture_samples_ms"] == [pytest.approx([0.020] * 10), pytest.approx([0.024] * 10)]
+    assert runner["ratio_to_floor_paired"] == pytest.approx(2.0)
+    assert runner["ratio_to_floor_paired_by_capture"] == [pytest.approx(20 / 11), pytest.approx(24 / 11)]
+    assert runner["measured_build"] == "test-runner/0" and runner["capture_s"] == 0.0
+    assert runner["host_us_per_replay"] == pytest.approx(20.0)  # the first build's host calls
+    assert runner["rel_err"] == pytest.approx(0.5) and floor["rel_err"] == 0.0  # the worse build's
+
+
+def test_a_mode_whose_second_build_fails_is_reported_once_and_all_its_builds_are_closed() -> None:
+    built: list[str] = []
+    closed: list[str] = []
+    errors: list[tuple[str, str]] = []
+
+    def build(case: object, ctx: object) -> registry.Built:
+        if len(built) == 1:
+            raise RuntimeError("capture 2 broke")
+        built.append("b")
+        return registry.Built(run=modes.build_eager(case, ctx).run, close=lambda: closed.append("b"))  # type: ignore[arg-type]
+
+    registry.register_mode("test-second-fails", needs_cuda=False)(build)
+    try:
+        args = cli.parse_args(["--shape", "tiny", "--tokens", "16", "--attn", "loop"], cuda=False)
+        case = llama.make_case(_tiny_model(args), args, torch.device("cpu"), "loop", 16)
+        ref = cli._reference(case, lambda: None)
+        rows = cli._measure_case(case, ["test-second-fails", "eager"], lambda c: ref, registry.BuildContext(), 3, 0,
+                                 lambda: None, failed=lambda m, exc: errors.append((m, str(exc))),
+                                 skipped=lambda m, exc: None, progress=lambda step: None, captures=2)
+    finally:
+        del registry.MODES["test-second-fails"]
+    assert errors == [("test-second-fails", "capture 2 broke")] and closed == ["b"]
+    assert [r["mode"] for r in rows] == ["eager"] and rows[0]["captures"] == 2

@@ -14,7 +14,8 @@ before each call, timed until the call returns: ``host_us_per_replay`` is the
 median, ``host_us_over_floor`` the median over rounds of the difference to the
 host time of ``floor`` (else ``floor-compile``: both are one ``replay()``) in the
 same round (the host's drift cancels, as in the paired ratios). A point's modes
-are freed before the next point is built.
+are freed before the next point is built. With ``--captures N``, every mode is built N times
+and a row's samples are the mean over its builds (see :func:`_measure_case`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from bcg.bench import report
 from bcg.bench.argtypes import int_in, nonnegative_int, positive_int
 from bcg.bench.case import Case, eager_step
 from bcg.bench.registry import BuildContext, Built, NotApplicable, forward_of, load_modes, skip_reason
-from bcg.bench.timing import paired_difference, paired_ratio, rel_err, sample_interleaved, summarize, sync_fn, timed_ms
+from bcg.bench.timing import (mean_of_captures, paired_difference, paired_ratio, rel_err, sample_interleaved, summarize,
+                              sync_fn, timed_ms)
 from bcg.bench.workloads import WORKLOADS
 
 MODES = load_modes()  # every registered mode, in run order
@@ -61,7 +63,8 @@ TIMING_NOTE = (
     "host_us_bcg (staged runner modes): the median over the same calls of the runner call's host time less the "
     "time in the staged breakpoint's fits and prepare, and the timer's own cost around each of them (calibrated on a "
     "no-op at start; the live metadata is built before the call); those clocks run in the host-timed calls only, "
-    "not in the timed replays"
+    "not in the timed replays; with --captures N each mode is built N times, every build timed in the same rounds, "
+    "and a mode's samples are the mean over its builds, sample by sample"
 )
 
 
@@ -127,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--tp: how runner modes' ranks agree: 'same-inputs' (every rank gets the same batch, "
                    "as here: choices made locally, checked after the launch) or 'every-call' (all-reduces "
                    "on the CPU group before every launch) (default same-inputs)")
+    p.add_argument("--captures", type=positive_int, default=1, metavar="N",
+                   help="build (capture) each mode N times and time every build in the same rounds; rows give "
+                   "the mean over a mode's builds, sample by sample, so that where each capture's memory landed "
+                   "averages out of the ratios (two captures of one forward can differ by more than a percent: "
+                   "see floor-again) (default 1)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
@@ -257,80 +265,98 @@ def _check(case: Case, built: Built, ref: torch.Tensor, sync: Any) -> float:
         case.write_inputs(False)
 
 
+def _capture_key(mode: str, k: int) -> str:
+    """The name capture ``k`` (from 0) of ``mode`` is timed under: the mode's own for the first."""
+    return mode if k == 0 else f"{mode}#{k + 1}"
+
+
 def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str], torch.Tensor], ctx: BuildContext,
                   iters: int, warmup: int, sync: Any, failed: Callable[[str, Exception], None],
-                  skipped: Callable[[str, NotApplicable], None], progress: Callable[[str], None]
-                  ) -> list[dict[str, Any]]:
+                  skipped: Callable[[str, NotApplicable], None], progress: Callable[[str], None],
+                  captures: int = 1) -> list[dict[str, Any]]:
     """Build every mode, time them in rounds (each mode's ``measure`` started before and ended
     right after them: its fields go into the row), check each against ``reference(compiled)``
-    (called after the builds, so that a compile happens in a build); close them all."""
-    built: dict[str, Built] = {}
+    (called after the builds, so that a compile happens in a build); close them all.
+
+    ``captures``: each mode is built that many times (each build its own capture and pool), and
+    every build is timed in the same rounds. A row's ``samples_ms`` is then the mean over its
+    builds, sample by sample, so that where each capture's memory landed averages out of the
+    ratios; ``capture_samples_ms`` keeps each build's. Its first replay, build fields, measures
+    and host times come from the first build; ``rel_err`` is the largest of all builds'.
+    """
+    built: dict[str, list[Built]] = {}
+    dropped: list[Built] = []  # the builds of modes that failed (closed at the end, with the rest)
     first: dict[str, float] = {}
     rows: list[dict[str, Any]] = []
+
+    def drop(mode: str, exc: Exception) -> None:  # reported once (its other builds' samples go unused)
+        if mode in built:
+            dropped.extend(built.pop(mode))
+            failed(mode, exc)
+
     try:
         for mode in modes:
             progress(f"build {mode}")
+            copies = built[mode] = []
             try:
-                b = MODES[mode].build(case, ctx)
+                for k in range(captures):
+                    copies.append(MODES[mode].build(case, ctx))
+                    ms = timed_ms(copies[-1].run, sync)
+                    first.setdefault(mode, ms)
             except NotApplicable as exc:
+                dropped.extend(built.pop(mode))
                 skipped(mode, exc)
-                continue
             except Exception as exc:  # keep going: one failing mode must not lose the run
-                failed(mode, exc)
-                continue
-            built[mode] = b
-            try:
-                first[mode] = timed_ms(b.run, sync)
-            except Exception as exc:
-                failed(mode, exc)
-                built.pop(mode).close()
+                drop(mode, exc)
         progress(f"time {len(built)} modes")
         stops: dict[str, Callable[[], dict[str, Any]]] = {}
-        for mode, b in list(built.items()):
+        for mode, copies in list(built.items()):
             try:
-                if b.measure is not None:
-                    stops[mode] = b.measure()
+                if copies[0].measure is not None:
+                    stops[mode] = copies[0].measure()
             except Exception as exc:
-                failed(mode, exc)
-                built.pop(mode).close()
-        samples = sample_interleaved({m: b.run for m, b in built.items()}, sync, iters, warmup, on_error=failed)
+                drop(mode, exc)
+        owner = {_capture_key(m, k): m for m, copies in built.items() for k in range(len(copies))}
+        runs = {_capture_key(m, k): b.run for m, copies in built.items() for k, b in enumerate(copies)}
+        samples = sample_interleaved(runs, sync, iters, warmup, on_error=lambda key, exc: drop(owner[key], exc))
         measured: dict[str, dict[str, Any]] = {}
-        for mode in built:
-            if len(samples[mode]) < iters:
-                continue  # failed while timed
+        for mode in list(built):
             try:
                 measured[mode] = stops[mode]() if mode in stops else {}
             except Exception as exc:
-                failed(mode, exc)
+                drop(mode, exc)
         host_failed: set[str] = set()
 
         def host_error(mode: str, exc: Exception) -> None:
             host_failed.add(mode)
             failed(mode, exc)
 
-        host = sample_interleaved({m: built[m].host_run or built[m].run for m in measured if built[m].host}, sync,
-                                  HOST_CALLS, on_error=host_error, wait=False)
+        host = sample_interleaved({m: built[m][0].host_run or built[m][0].run for m in measured if built[m][0].host},
+                                  sync, HOST_CALLS, on_error=host_error, wait=False)
         floor = next((m for m in ("floor", "floor-compile") if m in host and m not in host_failed), None)
         for mode, fields in measured.items():
-            if mode in host_failed:
+            if mode in host_failed or mode not in built:
                 continue
             if mode in host:
                 fields["host_us_per_replay"] = statistics.median(host[mode]) * 1e3
                 over = paired_difference(host[mode], host[floor]) if floor is not None else None
                 if over is not None:
                     fields["host_us_over_floor"] = over * 1e3
-                own = built[mode].own_host_s
+                own = built[mode][0].own_host_s
                 if own:
                     fields["host_us_bcg"] = statistics.median(own) * 1e6
-            b = built[mode]
+            each = [samples[_capture_key(mode, k)] for k in range(len(built[mode]))]
             try:
-                err = _check(case, b, reference(MODES[mode].compiled), sync)
+                err = max(_check(case, b, reference(MODES[mode].compiled), sync) for b in built[mode])
             except Exception as exc:
                 failed(mode, exc)
                 continue
-            rows.append(_row(case, mode, b, first[mode], samples[mode], err, iters, fields))
+            if len(each) > 1:
+                fields["capture_samples_ms"] = each
+            rows.append(_row(case, mode, built[mode][0], first[mode], mean_of_captures(each), err, iters,
+                             {"captures": len(each), **fields}))
     finally:
-        for b in built.values():
+        for b in [b for copies in built.values() for b in copies] + dropped:
             b.close()
     return rows
 
@@ -354,6 +380,9 @@ def _finish_case(case: Case, rows: list[dict[str, Any]]) -> None:
         if floor is not None and floor["ms_median"] > 0:
             row["ratio_to_floor"] = row["ms_median"] / floor["ms_median"]
             row["ratio_to_floor_paired"] = paired_ratio(row["samples_ms"], floor["samples_ms"])
+            if "capture_samples_ms" in row:  # each build's alone, against the floor's mean
+                row["ratio_to_floor_paired_by_capture"] = [
+                    paired_ratio(each, floor["samples_ms"]) for each in row["capture_samples_ms"]]
             row["extra_us_per_break"] = (row["ms_median"] - floor["ms_median"]) * 1e3 / max(case.num_breaks, 1)
         if floor_compile is not None and floor_compile["ms_median"] > 0:
             row["ratio_to_floor_compile"] = row["ms_median"] / floor_compile["ms_median"]
@@ -491,6 +520,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
         "iters": iters,
         "warmup": args.warmup,
         "capture_warmup": args.capture_warmup,
+        "captures": args.captures,
         "seed": args.seed,
         "timing": TIMING_NOTE,
         "bcg_version": bcg.__version__,
@@ -554,7 +584,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None, parser: argparse.
                     bar.set_description(f"{case.label}: {step}", refresh=tty)
 
                 case_rows = _measure_case(case, modes, reference, ctx, case.iters or iters, args.warmup, sync,
-                                          failed, not_applicable, progress)
+                                          failed, not_applicable, progress, args.captures)
                 bar.update(len(modes))
                 _finish_case(case, case_rows)
                 rows.extend(case_rows)

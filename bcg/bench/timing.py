@@ -163,6 +163,15 @@ def sample_interleaved(
     return samples
 
 
+def mean_of_captures(samples: list[list[float]]) -> list[float]:
+    """Sample by sample, the mean over the captures of one mode (one list per capture, all timed by
+    one :func:`sample_interleaved` call: sample ``i`` of every list ran in the same round)."""
+    if not samples or len({len(s) for s in samples}) != 1:
+        raise ValueError(f"mean_of_captures: one list per capture, all of one length (got lengths "
+                         f"{[len(s) for s in samples]})")
+    return [statistics.fmean(column) for column in zip(*samples)]
+
+
 def compiling_call(fn: Callable[..., Any], args: tuple[Any, ...], live: Any, sync: Callable[[], None]) -> dict[str, Any]:
     """One eager call of a ``torch.compile``'d ``fn`` (where it compiles, if it has not yet):
     ``{"compile_s": seconds until the device is done, "graphs_compiled": Dynamo graphs made}``."""
