@@ -708,8 +708,13 @@ class BreakableGraph:
         return f"BreakableGraph({state}, mode={self.mode}, segments={st.segments}, breakpoints={st.breakpoints}{forms})"
 
 
-def copy_outputs_into(dst: Any, src: Any, source: str) -> None:
-    """Copy the result ``src`` (of ``source``: "an eager replay", ...) into the tensors of ``dst``.
+def copy_outputs_into(dst: Any, src: Any, source: str) -> int:
+    """Copy the result ``src`` (of ``source``: "an eager replay", ...) into the tensors of ``dst``;
+    return how many tensors were copied.
+
+    A tensor of ``src`` that already is its ``dst`` (the same memory, shape, strides and dtype)
+    is not copied; one whose memory overlaps a tensor of ``dst`` that is written is cloned first,
+    so that no copy reads memory an earlier copy wrote.
 
     Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
     """
@@ -720,6 +725,7 @@ def copy_outputs_into(dst: Any, src: Any, source: str) -> None:
             f"{source} returned {src_spec}, but the capture returned {dst_spec}; graph mode "
             "returns the captured outputs, so the function must return the same structure every time"
         )
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
         if isinstance(d, torch.Tensor):
             if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
@@ -728,4 +734,31 @@ def copy_outputs_into(dst: Any, src: Any, source: str) -> None:
                     f"{source}: output {i} is {what} but was {tuple(d.shape)} {d.dtype} at capture; "
                     "graph mode's outputs have the captured shapes and dtypes"
                 )
-            d.copy_(s)
+            if not _same_memory(d, s):
+                pairs.append((d, s))
+    written = [_extent(d) for d, _ in pairs]
+    sources = [s.clone() if any(_overlap(_extent(s), w) for w in written) else s for _, s in pairs]  # before any copy
+    for (d, _), s in zip(pairs, sources):
+        d.copy_(s)
+    return len(pairs)
+
+
+def _extent(t: torch.Tensor) -> tuple[str, int, int]:
+    """The device and the byte range ``[lo, hi)`` that ``t``'s elements span (empty: ``lo == hi``)."""
+    if t.numel() == 0:
+        return str(t.device), 0, 0
+    lo = hi = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride * t.element_size()
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return str(t.device), lo, hi + t.element_size()
+
+
+def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _same_memory(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether ``s`` and ``d`` are one tensor's memory (a copy between them would change nothing)."""
+    return (d.device == s.device and d.data_ptr() == s.data_ptr() and d.shape == s.shape and d.stride() == s.stride()
+            and d.dtype == s.dtype and d.is_conj() == s.is_conj() and d.is_neg() == s.is_neg() and d.numel() > 0)

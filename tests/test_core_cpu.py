@@ -383,3 +383,31 @@ def test_a_breakpoint_that_returned_none_has_nothing_to_refresh_but_still_checks
     bridges.refresh(None)  # nothing to do
     with pytest.raises(bcg.errors.BreakpointOutputMismatch, match="halve"):
         on_result(torch.ones(3))  # but a result where the capture had None is a mismatch
+
+
+def test_copy_outputs_into_skips_a_tensor_already_in_place_and_never_reads_what_it_wrote() -> None:
+    """A result tensor that is its destination's memory is not copied (a staged tier whose
+    outputs landed in the bucket's); sources that overlap a written destination are read
+    before any copy, so swapped halves of one buffer come out swapped."""
+    from bcg.graph import copy_outputs_into
+
+    dst = (torch.zeros(4), torch.zeros(3))
+    fresh = torch.randn(3)
+    in_place = dst[0].view(4)  # another tensor object over the same memory
+    in_place.copy_(torch.randn(4))
+    expected = in_place.clone()
+    assert copy_outputs_into(dst, (in_place, fresh), "a test") == 1
+    assert torch.equal(dst[0], expected) and torch.equal(dst[1], fresh)
+
+    buf = torch.randn(10)
+    before = buf.clone()
+    halves = (buf[:5], buf[5:])
+    assert copy_outputs_into(halves, (buf[5:], buf[:5]), "a test") == 2
+    assert torch.equal(buf, torch.cat([before[5:], before[:5]]))
+
+    shifted = torch.randn(6)
+    want = shifted[:5].clone()
+    assert copy_outputs_into((shifted[1:],), (shifted[:5],), "a test") == 1  # overlapping one element off
+    assert torch.equal(shifted[1:], want)
+    with pytest.raises(bcg.ReplayError, match="output 0 is"):
+        copy_outputs_into((torch.zeros(2),), (torch.zeros(3),), "a test")

@@ -427,6 +427,10 @@ class Ladder:
                 # warm-up (with collectives) runs: a rank that failed after its last vote cast
                 # False, and the others learn it here, not inside a tier's capture.
                 self._barrier()
+            if tier_lives:
+                # A call replays one form, so a tier may reuse the outputs' memory: where its own
+                # outputs land there, it copies nothing into them (copy_outputs_into).
+                out = graph.outputs = membership.release(out)
             for live in tier_lives:
                 self._capture_tier(graph, n, out, live, pool)
         graph.outputs = membership.release(out)
@@ -464,7 +468,9 @@ class Ladder:
         def forward() -> Any:
             out = self.padded_forward(n, views)
             if into is not None:
-                copy_outputs_into(into, out, "a staged tier")
+                copied = copy_outputs_into(into, out, "a staged tier")
+                log.debug("bcg.GraphRunner(%s): bucket %d: a staged tier copies %d output tensor(s) into the "
+                          "bucket's (the others landed there)", self.name, n, copied)
                 return into
             return out
 

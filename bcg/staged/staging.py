@@ -366,8 +366,9 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
     A tier's staged breakpoints are bounded by what their ``prepare`` returned
     for its value, which their ``fits(live, staged)`` reads: say, fewer request
     slots, so that a small batch does not pay for empty ones. Each tier ends by
-    copying its outputs into the bucket's (in the graph), so calls return the
-    same tensors whichever form ran.
+    copying its outputs into the bucket's (in the graph; not those that its
+    capture placed there already), so calls return the same tensors whichever
+    form ran.
 
     Arguments:
         lives: the tiers' values, then the bucket's own (last).
