@@ -297,7 +297,8 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
     try:
         for mode in modes:
             progress(f"build {mode}")
-            copies = built[mode] = []
+            copies: list[Built] = []
+            built[mode] = copies
             try:
                 for k in range(captures):
                     copies.append(MODES[mode].build(case, ctx))
