@@ -336,7 +336,7 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
                                   sync, HOST_CALLS, on_error=host_error, wait=False)
         floor = next((m for m in ("floor", "floor-compile") if m in host and m not in host_failed), None)
         for mode, fields in measured.items():
-            if mode in host_failed or mode not in built:
+            if mode in host_failed:
                 continue
             if mode in host:
                 fields["host_us_per_replay"] = statistics.median(host[mode]) * 1e3
