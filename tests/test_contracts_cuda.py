@@ -382,6 +382,25 @@ def test_locked_block_returns_views_that_no_other_thread_overwrites() -> None:
     assert wrong == [] and all(views)
 
 
+@pytest.mark.parametrize("first", ["default", "side"])
+def test_a_call_on_another_stream_runs_after_the_last_call_whichever_stream_that_was(first: str) -> None:
+    """The first call's replay is held up on its stream (a busy GPU); a call on another stream
+    must still run after it, so its view holds its own result, not the first call's. torch's
+    default stream has a null raw handle, which ``torch.cuda.ExternalStream`` does not accept."""
+    runner, cases = _threaded_runner()
+    (xa, pa, la, _), (xb, pb, lb, expected_b) = cases[2], cases[3]  # both in bucket 128
+    streams = {"default": torch.cuda.default_stream(), "side": torch.cuda.Stream()}
+    first_stream, second_stream = streams[first], streams["side" if first == "default" else "default"]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(first_stream):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the second call is queued long before this ends
+        runner(xa, pa, live=la)
+    with torch.cuda.stream(second_stream):
+        y = runner(xb, pb, live=lb)
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected_b)
+
+
 # -- 8. reset() during a replay is refused ----------------------------------------------------------
 
 

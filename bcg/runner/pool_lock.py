@@ -113,9 +113,21 @@ class PoolCallLock:
         current = _current_raw_stream(device)
         last = self.last_stream
         if last is not None and last != current:
-            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(last, device=device))
+            torch.cuda.current_stream(device).wait_stream(stream_at(last, device))
         self.last_stream = current
         return current
+
+
+def stream_at(raw: int, device: int) -> torch.cuda.Stream:
+    """The torch stream whose raw ``cudaStream_t`` is ``raw`` on ``device``.
+
+    Not ``torch.cuda.ExternalStream(raw)`` alone: torch reads a null pointer as "no stream
+    given" and hands out one of its pooled streams, so waiting on it would not wait for
+    torch's default stream (whose raw handle is null).
+    """
+    if raw == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(raw, device=device)
 
 
 class _CallerHold:
