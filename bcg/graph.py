@@ -107,6 +107,7 @@ class Form:
         self.disabled: frozenset[str] = frozenset()  # node groups skipped now
         self.replays = 0
         self.on_change: Any = None  # called when the executor changes (the graph's native replay is stale)
+        self._output_copy: OutputCopy | None = None
 
     @property
     def segments(self) -> list[SegmentStep]:
@@ -115,6 +116,14 @@ class Form:
     def misfit(self, live: Any) -> str | None:
         """Why ``live`` does not fit this form's staged breakpoints (None: it fits)."""
         return self.staged_breakpoints.misfit(live) if self.staged_breakpoints is not None else None
+
+    def copy_outputs_to(self, dst: Any) -> int:
+        """After a replay of this form: copy its outputs into ``dst`` (the graph's, which another
+        form wrote when captured); return how many tensors were copied."""
+        copy = self._output_copy
+        if copy is None or copy.dst is not dst or copy.src is not self.outputs:
+            copy = self._output_copy = OutputCopy(dst, self.outputs, f"the {self.name} form")
+        return copy()
 
     def prepare(self, live: Any) -> None:
         """Run the staged breakpoints' ``prepare`` (host writes that the launch copies in)."""
@@ -408,7 +417,7 @@ class BreakableGraph:
                 parts = (None, None, None, None)
             after = None
             if form.outputs is not None and form.outputs is not first.outputs:
-                after = functools.partial(copy_outputs_into, first.outputs, form.outputs, f"the {form.name} form")
+                after = functools.partial(form.copy_outputs_to, first.outputs)
             head, tail, annotate_head, annotate_tail = parts
             entries.append((staged.checks() if staged is not None else None, head, tail,
                             staged.prepares() if staged is not None else (), form, after, annotate_head,
@@ -470,7 +479,7 @@ class BreakableGraph:
             self._replaying -= 1
             reset_live(token)
         if form.outputs is not None and form.outputs is not self.outputs:
-            copy_outputs_into(self.outputs, form.outputs, f"the {form.name} form")
+            form.copy_outputs_to(self.outputs)
         return self.outputs
 
     def would_stitch(self, index: int, live: Any) -> bool:
@@ -710,7 +719,17 @@ class BreakableGraph:
 
 def copy_outputs_into(dst: Any, src: Any, source: str) -> int:
     """Copy the result ``src`` (of ``source``: "an eager replay", ...) into the tensors of ``dst``;
-    return how many tensors were copied.
+    return how many tensors were copied (see :class:`OutputCopy`).
+
+    Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
+    """
+    return OutputCopy(dst, src, source)()
+
+
+class OutputCopy:
+    """The copy of ``src``'s tensors into ``dst``'s, decided once for trees whose tensors stay
+    the same (a form's outputs into the graph's): call it to copy; it returns how many tensors
+    it copied.
 
     A tensor of ``src`` that already is its ``dst`` (the same memory, shape, strides and dtype)
     is not copied; one whose memory overlaps a tensor of ``dst`` that is written is cloned first,
@@ -718,29 +737,39 @@ def copy_outputs_into(dst: Any, src: Any, source: str) -> int:
 
     Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
     """
-    dst_leaves, dst_spec = pytree.tree_flatten(dst)
-    src_leaves, src_spec = pytree.tree_flatten(src)
-    if dst_spec != src_spec:
-        raise ReplayError(
-            f"{source} returned {src_spec}, but the capture returned {dst_spec}; graph mode "
-            "returns the captured outputs, so the function must return the same structure every time"
-        )
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
-        if isinstance(d, torch.Tensor):
-            if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
-                what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-                raise ReplayError(
-                    f"{source}: output {i} is {what} but was {tuple(d.shape)} {d.dtype} at capture; "
-                    "graph mode's outputs have the captured shapes and dtypes"
-                )
-            if not _same_memory(d, s):
-                pairs.append((d, s))
-    written = [_extent(d) for d, _ in pairs]
-    sources = [s.clone() if any(_overlap(_extent(s), w) for w in written) else s for _, s in pairs]  # before any copy
-    for (d, _), s in zip(pairs, sources):
-        d.copy_(s)
-    return len(pairs)
+
+    __slots__ = ("dst", "src", "_pairs")
+
+    def __init__(self, dst: Any, src: Any, source: str) -> None:
+        self.dst, self.src = dst, src
+        dst_leaves, dst_spec = pytree.tree_flatten(dst)
+        src_leaves, src_spec = pytree.tree_flatten(src)
+        if dst_spec != src_spec:
+            raise ReplayError(
+                f"{source} returned {src_spec}, but the capture returned {dst_spec}; graph mode "
+                "returns the captured outputs, so the function must return the same structure every time"
+            )
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
+            if isinstance(d, torch.Tensor):
+                if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
+                    what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+                    raise ReplayError(
+                        f"{source}: output {i} is {what} but was {tuple(d.shape)} {d.dtype} at capture; "
+                        "graph mode's outputs have the captured shapes and dtypes"
+                    )
+                if not _same_memory(d, s):
+                    pairs.append((d, s))
+        written = [_extent(d) for d, _ in pairs]
+        # (destination, source, whether the source is cloned before any copy)
+        self._pairs = [(d, s, any(_overlap(_extent(s), w) for w in written)) for d, s in pairs]
+
+    def __call__(self) -> int:
+        pairs = self._pairs
+        sources = [s.clone() if clone else s for _, s, clone in pairs]  # before any copy
+        for (d, _, _), s in zip(pairs, sources):
+            d.copy_(s)
+        return len(pairs)
 
 
 def _extent(t: torch.Tensor) -> tuple[str, int, int]:

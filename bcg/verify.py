@@ -20,7 +20,7 @@ from bcg.core.torch_internals import pytree
 from bcg.core.args import check_bool, check_callable, check_real, fail
 from bcg.core.breakpoint import BreakpointSpec, Recorder, live_scope, recording
 from bcg.errors import VerificationError
-from bcg.graph import BreakableGraph, copy_outputs_into
+from bcg.graph import BreakableGraph
 from bcg.make_graph import make_graph
 from bcg.core.plan import BreakpointStep, GraphSource, SegmentStep, Step
 
@@ -244,7 +244,7 @@ def _tapped_replay(graph: BreakableGraph, live: Any) -> tuple[list[_Tap], list[t
             else:
                 step.launch()
     if form.outputs is not None and form.outputs is not graph.outputs:
-        copy_outputs_into(graph.outputs, form.outputs, f"the {form.name} form")
+        form.copy_outputs_to(graph.outputs)
     return taps, _tensors(graph.outputs), plan
 
 

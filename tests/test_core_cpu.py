@@ -389,7 +389,7 @@ def test_copy_outputs_into_skips_a_tensor_already_in_place_and_never_reads_what_
     """A result tensor that is its destination's memory is not copied (a staged tier whose
     outputs landed in the bucket's); sources that overlap a written destination are read
     before any copy, so swapped halves of one buffer come out swapped."""
-    from bcg.graph import copy_outputs_into
+    from bcg.graph import OutputCopy, copy_outputs_into
 
     dst = (torch.zeros(4), torch.zeros(3))
     fresh = torch.randn(3)
@@ -404,6 +404,12 @@ def test_copy_outputs_into_skips_a_tensor_already_in_place_and_never_reads_what_
     halves = (buf[:5], buf[5:])
     assert copy_outputs_into(halves, (buf[5:], buf[:5]), "a test") == 2
     assert torch.equal(buf, torch.cat([before[5:], before[:5]]))
+    swap = OutputCopy(halves, (buf[5:], buf[:5]), "a test")  # decided once (a form's), run at each replay
+    for _ in range(2):
+        buf.copy_(torch.randn(10))
+        before = buf.clone()
+        assert swap() == 2
+        assert torch.equal(buf, torch.cat([before[5:], before[:5]]))
 
     shifted = torch.randn(6)
     want = shifted[:5].clone()

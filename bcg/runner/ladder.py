@@ -409,10 +409,9 @@ class Ladder:
         pool = bucket.own_pool.pool if bucket.own_pool is not None else self.pool
         assert pool is not None
         out = self._capture_graph(graph, n, lives.own, pool=pool)
-        # The static outputs live in the pool; hold them through non-owning aliases so the
-        # buckets captured next reuse their memory (outputs are valid until the next call).
         membership = PoolMembership(pool, self.device.index or 0)
         graph.outputs = out
+        tier_lives: tuple[Any, ...] = ()
         if graph.staged:
             # The breakable form, for calls whose metadata does not fit, captured while the
             # inline form's outputs are held; a replay of it copies its outputs into those.
@@ -427,13 +426,13 @@ class Ladder:
                 # warm-up (with collectives) runs: a rank that failed after its last vote cast
                 # False, and the others learn it here, not inside a tier's capture.
                 self._barrier()
-            if tier_lives:
-                # A call replays one form, so a tier may reuse the outputs' memory: where its own
-                # outputs land there, it copies nothing into them (copy_outputs_into).
-                out = graph.outputs = membership.release(out)
-            for live in tier_lives:
-                self._capture_tier(graph, n, out, live, pool)
-        graph.outputs = membership.release(out)
+        # The static outputs live in the pool; hold them through non-owning aliases so the
+        # buckets captured next reuse their memory (outputs are valid until the next call). The
+        # tiers come after: a call replays one form, so a tier may reuse that memory too, and
+        # where its own outputs land there it copies nothing into them (copy_outputs_into).
+        out = graph.outputs = membership.release(out)
+        for live in tier_lives:
+            self._capture_tier(graph, n, out, live, pool)
         if self.sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
             # rather than at the first such call.
@@ -480,8 +479,8 @@ class Ladder:
 
     def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any, pool: PoolHandle) -> None:
         """A staged tier of bucket ``n``'s graph: its forward warmed up, then captured with
-        ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, held
-        meanwhile); skipped (logged) when a staged breakpoint did not run inline, or a step
+        ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, as non-owning
+        aliases: what lands on them is not copied); skipped (logged) when a staged breakpoint did not run inline, or a step
         failed. With ranks, the ranks vote through it as through a bucket's capture: all keep
         it, or none."""
         vote = CaptureVote(self.ranks) if self.ranks is not None else None
