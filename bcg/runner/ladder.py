@@ -480,9 +480,9 @@ class Ladder:
     def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any, pool: PoolHandle) -> None:
         """A staged tier of bucket ``n``'s graph: its forward warmed up, then captured with
         ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, as non-owning
-        aliases: what lands on them is not copied); skipped (logged) when a staged breakpoint did not run inline, or a step
-        failed. With ranks, the ranks vote through it as through a bucket's capture: all keep
-        it, or none."""
+        aliases: what lands on them is not copied); skipped (logged) when a staged breakpoint did
+        not run inline, or a step failed. With ranks, the ranks vote through it as through a
+        bucket's capture: all keep it, or none."""
         vote = CaptureVote(self.ranks) if self.ranks is not None else None
         bucket_barrier, self._barrier = self._barrier, (vote.barrier if vote is not None else None)
         try:
