@@ -240,6 +240,7 @@ class BreakableGraph:
         self._policy: VariantPolicy | None = None  # keyed breakpoints' policy, shared by every form
         self.source: GraphSource | None = None
         self._native: Any = None  # the replay in C (bcg._native.Replay); None: not built; False: not here
+        self._retired: list[Any] = []  # native replays dropped while they ran (see _stale)
 
     # -- filled by capture / make_graph / the runner ---------------------------------------
     def install(self, recording: Recording, variants: VariantPolicy | None = None) -> None:
@@ -259,7 +260,7 @@ class BreakableGraph:
         self._first = Form(recording, name, None, variants, self._suspects, recording.pool)
         self._first.on_change = self._stale
         self._forms = [self._first]
-        self._native = None
+        self._stale()
         self._switch_done = {}
         self._was_reset = False
         self._breakable_replays = {}
@@ -288,7 +289,7 @@ class BreakableGraph:
         self._switch_done = {}  # the new form's always-run groups count in the answers
         form = Form(recording, name, outputs, self._policy, self._suspects, first.recording.pool)
         form.on_change = self._stale
-        self._native = None
+        self._stale()
         if not tier:
             # it replays only for metadata that fits no other form: its segments disable the
             # nodes of skipped groups in place, right before it replays, rather than each
@@ -397,6 +398,12 @@ class BreakableGraph:
         return self._run(index, live, True, reason)
 
     def _stale(self) -> None:
+        """The forms or their groups changed: the next replay builds a new native replay. One
+        still running (the change came from its breakpoint, or another thread) is kept in
+        ``_retired`` until it returns, so :meth:`_in_replay` still sees it."""
+        old = self._native
+        if old and old.replaying:
+            self._retired.append(old)
         self._native = None
 
     def _build_native(self) -> Any:
@@ -433,7 +440,11 @@ class BreakableGraph:
 
     def _in_replay(self) -> bool:
         """A replay of this graph is in progress (from a breakpoint of it, or another thread)."""
-        return bool(self._replaying or (self._native and self._native.replaying))
+        if self._replaying or (self._native and self._native.replaying):
+            return True
+        if self._retired:
+            self._retired = [r for r in self._retired if r.replaying]
+        return bool(self._retired)
 
     def replay_form(self, index: int, live: Any = UNSET, *, stitch: bool = True) -> Any:
         """Replay form ``index`` (of :meth:`choose`): what ranks that agreed on one form call.
@@ -519,7 +530,7 @@ class BreakableGraph:
         disabled = self._disabled - {label} if enabled else self._disabled | {label}
         if disabled != self._disabled:
             self._switch_done = {}
-            self._native = None
+            self._stale()
         self._disabled = disabled
         done = True
         for form in self._forms:
@@ -536,7 +547,7 @@ class BreakableGraph:
             raise ReplayError("use_executor applies to a captured graph in graph mode")
         for form in self._forms:
             form.use_executor(name)
-        self._native = None
+        self._stale()
 
     @property
     def executor(self) -> str:
@@ -564,7 +575,7 @@ class BreakableGraph:
             if form.outputs is old:
                 form.outputs = value
         first.outputs = value
-        self._native = None
+        self._stale()
 
     @property
     def mode(self) -> str:

@@ -942,7 +942,6 @@ replay_form(ReplayObject *self, FormEntry *e, PyObject *live, CUstream stream, i
         if (token == NULL)
             return -1;
     }
-    self->replaying++;
     int rc = 0;
     if (e->head != NULL) {
         rc = plan_run(e->head, stream, device, 0);
@@ -960,7 +959,6 @@ replay_form(ReplayObject *self, FormEntry *e, PyObject *live, CUstream stream, i
         if (rc < 0)
             annotate_error(e->annotate_tail);
     }
-    self->replaying--;
     if (token != NULL) {
         PyObject *type = NULL, *value = NULL, *tb = NULL;
         if (rc < 0)
@@ -1011,6 +1009,10 @@ replay_at(ReplayObject *self, PyObject *live, int placed, long dev, CUstream str
         return replay_slow(self, live, PY_SSIZE_T_MIN, Py_None);
 
     Py_INCREF(self); /* user code (fits, prepare, breakpoints) may drop the last other reference */
+    /* From the first fits to the last copy: user code (fits, breakpoints, prepare) or another
+     * thread (while the GIL is released) calling reset() meanwhile is refused, not let free the
+     * executables this replay is about to launch. */
+    self->replaying++;
     PyObject *result = NULL;
     PyObject *reason = Py_None; /* borrowed from forms: why the last staged form tried did not fit */
     Py_ssize_t chosen = -1;
@@ -1070,6 +1072,7 @@ replay_at(ReplayObject *self, PyObject *live, int placed, long dev, CUstream str
     }
     result = Py_NewRef(self->outputs != NULL ? self->outputs : Py_None);
 done:
+    self->replaying--;
     Py_DECREF(self);
     return result;
 }
@@ -1098,7 +1101,7 @@ Replay_get_groups_off(ReplayObject *self, void *closure)
 }
 
 static PyGetSetDef Replay_getset[] = {
-    {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress (inside a breakpoint: 1 or more).",
+    {"replaying", (getter)Replay_get_replaying, NULL, "Replays in progress, from the form's choice to the output copy.",
      NULL},
     {"groups_off", (getter)Replay_get_groups_off, NULL,
      "The node groups every form skips (a frozenset), or None: not known.", NULL},
@@ -1155,7 +1158,7 @@ typedef struct {
 static PyObject *str_background, *str_kept_own_pools, *str_serving, *str_captured, *str_failure, *str_graph,
     *str_sliced, *str_single, *str_last_stream, *str_real_rows, *str_native, *str_set_enabled, *str_replay,
     *str_acquire, *str_release, *str_sanitizer, *str_set_rows, *str_shared, *str_first_caller, *str_rows_written,
-    *str_graph_replaying;
+    *str_graph_replaying, *str_leaves, *str_slice;
 
 static int
 Call_traverse(CallObject *self, visitproc visit, void *arg)
@@ -1277,7 +1280,9 @@ PyDoc_STRVAR(Call_call_doc,
 "``T`` made, within the padding limit, the call lock free, views allowed, the\n"
 "current device the runner's and the stream the last replay's. Then, under\n"
 "the call lock: the sanitizer's row count, the padding group on or off, the\n"
-"graph's replay (in C when it has one), the counts; returns the output view.\n"
+"graph's replay (in C when it has one), the counts; returns the output view\n"
+"(a copy where a breakpoint began a background capture and views_safe() then\n"
+"says no, as the Python call decides after the replay).\n"
 "Otherwise ``NotImplemented``, having done nothing: the Python call runs.");
 
 static PyObject *
@@ -1478,6 +1483,26 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
     Py_DECREF(res);
     if (attr_add(bucket, str_replays, 1) < 0 || attr_add(self->runner, str_real_rows, T) < 0)
         goto done;
+    /* A breakpoint began a background capture of the pool: views_safe() is asked again, as the
+     * Python call asks it after the replay (a copy, unless this thread is inside locked()). */
+    if ((t = attr_true(self->lock_state, str_background)) == 1) {
+        PyObject *safe = PyObject_CallNoArgs(self->views_safe);
+        if (safe == NULL)
+            goto done;
+        t = PyObject_IsTrue(safe);
+        Py_DECREF(safe);
+        if (t == 0) {
+            PyObject *leaves = PyObject_GetAttr(bucket, str_leaves);
+            if (leaves == NULL)
+                goto done;
+            PyObject *argv[5] = {bucket, leaves, py_T, Py_True, Py_True};
+            result = PyObject_VectorcallMethod(str_slice, argv, 5, NULL); /* slice(leaves, T, copy, keep) */
+            Py_DECREF(leaves);
+            goto done;
+        }
+    }
+    if (t < 0)
+        goto done;
     result = Py_NewRef(PyList_GET_ITEM(views, 0));
     goto done;
 python:
@@ -1589,7 +1614,7 @@ PyInit__native(void)
         {&str_replay, "replay"}, {&str_acquire, "acquire"}, {&str_release, "release"},
         {&str_sanitizer, "sanitizer"}, {&str_set_rows, "set_rows"}, {&str_shared, "shared"},
         {&str_first_caller, "first_caller"}, {&str_rows_written, "rows_written"},
-        {&str_graph_replaying, "_replaying"},
+        {&str_graph_replaying, "_replaying"}, {&str_leaves, "leaves"}, {&str_slice, "slice"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);

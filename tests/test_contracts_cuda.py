@@ -510,3 +510,51 @@ def test_other_threads_run_while_a_replay_blocks_on_a_full_launch_queue(executor
     torch.cuda.synchronize()
     assert blocked > 0.5, f"the launches never blocked ({blocked:.2f} s): the test proves nothing"
     assert max(gaps) < 0.25, f"another thread was stalled for {max(gaps):.2f} s while launches blocked"
+
+
+# -- 7b. Captures are ordered after the last replay, on whatever stream -----------------------------
+
+_SLEEP_BEFORE_READ = 200_000_000  # cycles: about 100 ms, far longer than the host's way to a capture
+
+
+def _sleeps_at_8(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 8:  # only bucket 8's graph sleeps, before it reads its input
+        torch.cuda._sleep(_SLEEP_BEFORE_READ)
+    return x * 2 + 1
+
+
+def _lazy_runner_with_bucket_8() -> bcg.GraphRunner:
+    """Buckets 4 and 8, lazy; 8 captured. Bucket 4's capture loads the example (-5) into the
+    static inputs that bucket 8's graph reads."""
+    runner = bcg.GraphRunner(_sleeps_at_8, [4, 8], example_inputs=(torch.full((8, 16), -5.0, device="cuda"),),
+                             lazy=True, copy_outputs=True, progress=False)
+    x = torch.randn(8, 16, device="cuda")
+    runner(x)  # eager, then bucket 8 captured
+    assert runner.captured_buckets == [8] and torch.equal(runner(x), x * 2 + 1)
+    torch.cuda.synchronize()
+    return runner
+
+
+@pytest.mark.parametrize("driver", ["lazy, replay on the default stream", "lazy, replay on a side stream",
+                                    "capture()", "capture(background=True)"])
+def test_a_capture_waits_for_the_last_replay_on_another_stream(driver: str) -> None:
+    """The replay of bucket 8 reads its static input about 100 ms after its call returns; a
+    capture of bucket 4 meanwhile, from a call or ``capture()`` on another stream, must not load
+    its example into that input before the replay has read it."""
+    runner = _lazy_runner_with_bucket_8()
+    side, default = torch.cuda.Stream(), torch.cuda.default_stream()
+    replay_on, capture_on = (side, default) if "default stream" not in driver else (default, side)
+    x8, x3 = torch.randn(8, 16, device="cuda"), torch.randn(3, 16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(replay_on):
+        y = runner(x8)
+    with torch.cuda.stream(capture_on):
+        if driver.startswith("lazy"):
+            assert torch.equal(runner(x3), x3 * 2 + 1)  # bucket 4: eager, then captured
+        else:
+            runner.capture(background=driver.endswith("True)"))
+            assert runner.wait_captured(60)
+    torch.cuda.synchronize()
+    assert runner.captured_buckets == [4, 8]
+    wrong = (~(y == x8 * 2 + 1).all(dim=1)).nonzero().flatten().tolist()
+    assert wrong == [], f"rows {wrong} of the replay read the capture's example"

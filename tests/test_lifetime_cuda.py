@@ -6,6 +6,7 @@
 2. Graphs, runners and keyed variants dropped on one thread never break another thread's
    capture, in either capture mode.
 3. A replaced tensor is never read silently: a replay raises :class:`bcg.errors.StaleTensorError`.
+4. What a forward builds and keeps while a lazy runner lays its pool out stays outside the pool.
 
 Each test can fail on a bcg that gets these wrong: the first kind with an illegal address
 (which poisons the CUDA context: run such a bcg one test per process).
@@ -555,3 +556,91 @@ def test_a_graph_reads_another_graphs_output_while_that_graph_lives(producer: st
     torch.cuda.synchronize()
     assert not b.any()  # nothing was launched
     g1.reset()
+
+
+# -- 4. State a forward builds on its first run at a size never lives in a lazy runner's pool -------
+
+CACHE_HIDDEN = 64
+
+
+def _table(rows: int, scale: float) -> torch.Tensor:
+    """A rotary-like table ``[rows, CACHE_HIDDEN]``."""
+    pos = torch.arange(rows, device="cuda", dtype=torch.float32)[:, None]
+    freq = torch.exp(-9.2 * torch.arange(CACHE_HIDDEN, device="cuda", dtype=torch.float32) / CACHE_HIDDEN)
+    return torch.cos(pos * freq * scale)
+
+
+@bcg.breakpoint(mutates=())
+def _add_rows(h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return h + table[: h.shape[0]]  # the whole table handed over, sliced eagerly at every replay
+
+
+class _GrowingCache(torch.nn.Module):
+    """Builds its cache at the first call and a new, longer one when a call is longer (as rotary
+    caches do); read by a captured op, or handed whole to a breakpoint."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.reader, self.scale = reader, 1.0
+        self.cache: torch.Tensor | None = None
+
+    def table(self, n: int) -> torch.Tensor:
+        if self.cache is None or self.cache.shape[0] < n:
+            self.cache = _table(n, self.scale)
+        return self.cache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if self.reader == "segment":
+            return torch.tanh(x * 2.0 + self.table(n)[:n])
+        return torch.tanh(_add_rows(x * 2.0, self.table(n)))
+
+
+def _allocated(ptr: int) -> bool:
+    from bcg.core.pool import blocks
+
+    return any(address <= ptr < address + size and in_use for address, size, in_use in blocks())
+
+
+@pytest.mark.parametrize("reader", ["segment", "breakpoint"])
+def test_a_cache_built_while_a_lazy_runner_lays_its_pool_out_stays_outside_the_pool(reader: str) -> None:
+    """A lazy runner's second capture runs ``forward`` at the largest bucket to lay its pool out;
+    the cache that run grows must not land in the pool (whose tensors a graph holds through
+    non-owning aliases, and whose freed blocks later captures reuse). Replaced afterwards (a
+    longer call, or new values), then another bucket captured lazily: the earlier buckets'
+    replays raise StaleTensorError or equal eager, and the old cache's memory is not reused."""
+    from bcg.core.pool import PoolMembership
+    from bcg.errors import StaleTensorError
+
+    gen = torch.Generator().manual_seed(0)
+    model = _GrowingCache(reader)
+    runner = bcg.GraphRunner(model, [16, 32, 64], example_inputs=(torch.randn(8, CACHE_HIDDEN, device="cuda"),),
+                             progress=False, lazy=True)
+
+    def check(T: int) -> None:
+        x = torch.randn(T, CACHE_HIDDEN, generator=gen).cuda()
+        try:
+            y = runner(x).clone()
+        except StaleTensorError:
+            return
+        with torch.no_grad():
+            torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+
+    for T in (12, 30):  # each eager, then its bucket captured; the second lays the pool out at 64
+        check(T)
+    assert set(runner.captured_buckets) == {16, 32}
+    assert model.cache is not None and model.cache.shape[0] == 64
+    assert not PoolMembership(runner.pool(), torch.cuda.current_device()).contains(model.cache)
+    old = model.cache.untyped_storage().data_ptr()
+    if reader == "segment":
+        model.scale = 3.0
+        model.cache = _table(64, model.scale)  # new values
+    else:
+        check(100)  # above the ladder: eager, and the cache grows (same values in the rows read)
+        assert model.cache.shape[0] == 100
+    check(60)  # bucket 64: eager, then captured into the same pool
+    assert 64 in runner.captured_buckets
+    for T in (13, 16, 29, 32):
+        check(T)
+    assert _allocated(old), "the replaced cache's memory went back while graphs still read it"
+    runner.reset()

@@ -722,14 +722,45 @@ def test_replay_errors_propagate_with_live_reset_and_notes_from_the_failing_plan
     assert not tail_ran
 
 
-def test_replay_counts_itself_while_a_breakpoint_runs(_native) -> None:  # noqa: ANN001
+def test_replay_counts_itself_from_its_fits_to_its_output_copy(_native) -> None:  # noqa: ANN001
     seen: list = []
     holder: list = []
-    entry = (None, None, _native.Plan([lambda: seen.append(holder[0].replaying)]), (), _Form(), None, None, None)
+    count = lambda where: (lambda *a: seen.append((where, holder[0].replaying)) or True)  # noqa: E731
+    entry = (((count("fits"), None, False, "r"),), None, _native.Plan([count("breakpoint")]), (), _Form(),
+             count("after"), None, None)
     replay, _ = _replay_kit(_native, [entry])
     holder.append(replay)
     replay.run(None)
-    assert seen == [1] and replay.replaying == 0
+    assert seen == [("fits", 1), ("breakpoint", 1), ("after", 1)] and replay.replaying == 0
+
+
+def test_reset_is_refused_from_a_fits_and_after_the_graph_dropped_its_running_native_replay(_native) -> None:  # noqa: ANN001
+    """reset() frees the executables a replay launches: refused from a ``fits`` (or another thread
+    meanwhile), and from a breakpoint after another made the graph build a new native replay
+    (``use_executor``, ``set_enabled``, ``outputs =``) while this one ran; allowed after."""
+    from bcg.graph import BreakableGraph
+
+    outcomes: list = []
+
+    def try_reset(graph: BreakableGraph, where: str) -> None:
+        try:
+            graph.reset()
+            outcomes.append((where, "reset"))
+        except bcg.ReplayError:
+            outcomes.append((where, "refused"))
+
+    chose = BreakableGraph()
+    fits = lambda live, staged=None: try_reset(chose, "fits") or True  # noqa: E731
+    chose._native, _ = _replay_kit(_native, [(((fits, None, False, "r"),), None, _native.Plan([lambda: None]), (),
+                                              _Form(), None, None, None)])
+    chose._native.run(None)
+    dropped = BreakableGraph()
+    steps = [lambda: dropped._stale(), lambda: try_reset(dropped, "breakpoint")]
+    dropped._native, _ = _replay_kit(_native, [(None, None, _native.Plan(steps), (), _Form(), None, None, None)])
+    dropped._native.run(None)
+    try_reset(chose, "after")
+    try_reset(dropped, "after")
+    assert outcomes == [("fits", "refused"), ("breakpoint", "refused"), ("after", "reset"), ("after", "reset")]
 
 
 @pytest.mark.parametrize("forms, error", [
@@ -938,6 +969,31 @@ def test_call_asks_views_safe_unless_the_lock_plainly_allows_views(_native) -> N
     thread.join()
     assert other == [NotImplemented] and len(asked) == 2 and lock.shared
     assert call.call(kit.inputs, None) is NotImplemented and len(asked) == 3  # shared: copies from now on
+
+
+def test_call_copies_the_outputs_when_a_breakpoint_began_a_background_capture(_native) -> None:  # noqa: ANN001
+    """As the Python call, which asks views_safe() after the replay: a background capture of the
+    pool begun during the replay (from a breakpoint) makes it return copies, not the pool's views."""
+    kit = _call_kit(_native)
+    asked: list = []
+
+    def views_safe() -> bool:
+        asked.append(kit.lock_state.background)
+        return kit.lock_state.background == 0
+
+    def replay(live: Any) -> None:
+        kit.lock_state.background += begins  # what capture(background=True) does first
+
+    kit.bucket.graph.replay = replay
+    kit.bucket.leaves = ["leaf"]
+    kit.bucket.slice = lambda leaves, T, copy, keep: ("copies", leaves, T, copy, keep)
+    call = _native.Call(kit.runner, {id(kit.inputs[1]): (6, 8, kit.inputs)}, 1, {8: kit.bucket}, kit.call_ladder,
+                        SimpleNamespace(serving=True), kit.lock_state, views_safe, "padding", 0, lambda: 0,
+                        lambda d: 0x77, -1.0)
+    begins = 0
+    assert call.call(kit.inputs, None) is kit.out and asked == [0]
+    begins = 1
+    assert call.call(kit.inputs, None) == ("copies", ["leaf"], 6, True, True) and asked == [0, 0, 1]
 
 
 def test_replay_refuses_a_bad_profiler_flag_or_groups(_native) -> None:  # noqa: ANN001

@@ -208,7 +208,7 @@ class GraphRunner:
         if ladder.mode != "graph":
             ladder.largest_alone = 0
             return 0
-        with self._lock.lock, ladder.capturing(), ladder.on_device():
+        with self._lock.lock, ladder.capturing(), ladder.on_device(), self._schedule.ordered_with_calls():
             size = ladder.measure_largest_alone()
         log.info("bcg.GraphRunner(%s): pool of all buckets %.1f MiB, largest bucket (%d) alone %.1f MiB",
                  self.name, ladder.pool_bytes() / 2**20, ladder.sizes[-1], size / 2**20)

@@ -294,9 +294,10 @@ class Ladder:
         probe run that tells which output dims grow with the size.
 
         ``first``: the bucket a lazy call captures. ``lay_out``: the probe runs at the largest
-        bucket (unless that is ``first``) with its allocations in the runner's pool, so the pool
-        holds segments sized for the largest bucket, which the captures then carve from in
-        whatever order calls bring buckets (otherwise each larger bucket adds segments of its own).
+        bucket (unless that is ``first``), once as usual and once more with its allocations in the
+        runner's pool, so the pool holds segments sized for the largest bucket, which the captures
+        then carve from in whatever order calls bring buckets (otherwise each larger bucket adds
+        segments of its own).
         """
         self.setup()
         largest = self.sizes[-1]
@@ -311,8 +312,16 @@ class Ladder:
             assert first is not None
             size = first // 2 if first // 2 > 1 else first + 1
         try:
-            with lease.allocating() if lease is not None else contextlib.nullcontext():
-                self.run_recorded(size, observe=lease is None)
+            if lease is None:
+                self.run_recorded(size, observe=True)
+            else:
+                # First outside the pool: what forward builds and keeps on its first run at this
+                # size (a cache sized to the longest input) must not live in the pool, whose
+                # tensors later captures may reuse once dropped and whose non-owning aliases a
+                # graph holds. Then in the pool, which keeps the segments once the run's tensors go.
+                self.run_recorded(size)
+                with lease.allocating():
+                    self.run_recorded(size)
         except Exception as exc:  # the buckets' own warm-ups report failures
             log.debug("bcg.GraphRunner: the probe run raised: %r", exc)
 

@@ -86,9 +86,10 @@ class CaptureSchedule:
         with self.lock.lock, ladder.capturing(), ladder.on_device():
             self._refuse_captured()
             t_start = time.perf_counter()
-            ladder.free_own_pools(keep=True)  # (captured again below, into the runner's pool)
-            ladder.probe()
-            self._capture_each(ladder.uncaptured(), "capture()")
+            with self.ordered_with_calls():
+                ladder.free_own_pools(keep=True)  # (captured again below, into the runner's pool)
+                ladder.probe()
+                self._capture_each(ladder.uncaptured(), "capture()")
             ladder.capture_total_s += time.perf_counter() - t_start
             self.serving = True
             ok = [b for b in ladder.sizes if ladder.buckets[b].captured]
@@ -118,11 +119,12 @@ class CaptureSchedule:
         ladder = self._ladder
         with ladder.capturing(), ladder.on_device():
             t_start = time.perf_counter()
-            again = ladder.free_own_pools()
-            in_use = any(b.captured and b.own_pool is None for b in ladder.buckets.values())
-            alone = not again and not in_use and ladder.give_own_pool(bucket)
-            ladder.probe(first=bucket.size, lay_out=not alone and not in_use)
-            self._capture_each([bucket.size, *(b.size for b in again)], "lazy")
+            with self.ordered_with_calls():
+                again = ladder.free_own_pools()
+                in_use = any(b.captured and b.own_pool is None for b in ladder.buckets.values())
+                alone = not again and not in_use and ladder.give_own_pool(bucket)
+                ladder.probe(first=bucket.size, lay_out=not alone and not in_use)
+                self._capture_each([bucket.size, *(b.size for b in again)], "lazy")
             ladder.capture_total_s += time.perf_counter() - t_start
         log.info("bcg.GraphRunner(%s): bucket %d captured after a call (lazy) in %.2f s%s",
                  ladder.name, bucket.size, bucket.capture_s,
@@ -159,11 +161,9 @@ class CaptureSchedule:
             with ladder.on_device():
                 static, _ = ladder.setup()
                 self._calls, self._t_step = self.lock.calls, time.perf_counter()
-                with self.lock.capture_step(), ladder.capturing():
-                    self._order_with_calls()
+                with self.lock.capture_step(), ladder.capturing(), self.ordered_with_calls():
                     with static.preserved([ladder.probe_size]):
                         ladder.probe()
-                    self._order_with_calls()
                 self._capture_each(sorted(ladder.sizes, reverse=True), "background", self._background_step)
         except BaseException as exc:  # (a bucket's own failure is caught in Ladder.capture)
             self._background_error = exc
@@ -198,22 +198,29 @@ class CaptureSchedule:
                 return
             if bucket.own_pool is not None:  # served by its graph until now, captured again
                 ladder.free_own_pools(keep=True)
-            self._order_with_calls()
             mode, ladder.capture_error_mode = ladder.capture_error_mode, "thread_local"
             try:
                 assert ladder.static is not None
-                with ladder.static.preserved([bucket.size]):
+                with self.ordered_with_calls(), ladder.static.preserved([bucket.size]):
                     yield True
             finally:
                 ladder.capture_error_mode = mode
-                self._order_with_calls()
 
-    def _order_with_calls(self) -> None:
-        """Order the capture thread's work after the last call's (its replay may still run on the
-        GPU: the warm-ups write the pool), and the next call after this thread's work on the
-        static inputs and the pool, whatever streams the calls use (``PoolCallLock.serialize_streams``)."""
-        if self._ladder.mode == "graph":
-            self.lock.serialize_streams(self._ladder.device.index or 0)
+    @contextlib.contextmanager
+    def ordered_with_calls(self) -> Iterator[None]:
+        """Around a capture's work (the probe, warm-ups, captures: every driver's), under the
+        call lock: the work runs after the last call's replay (which may still run on the GPU:
+        the warm-ups write the static inputs and the pool), and the next call after the work,
+        whatever streams the calls use (``PoolCallLock.serialize_streams``)."""
+        if self._ladder.mode != "graph":
+            yield
+            return
+        device = self._ladder.device.index or 0
+        self.lock.serialize_streams(device)
+        try:
+            yield
+        finally:
+            self.lock.serialize_streams(device)
 
     def may_serve_eagerly(self) -> bool:
         """Whether calls may run eagerly beside a background capture, without the call lock: one
