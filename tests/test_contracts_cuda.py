@@ -558,3 +558,18 @@ def test_a_capture_waits_for_the_last_replay_on_another_stream(driver: str) -> N
     assert runner.captured_buckets == [4, 8]
     wrong = (~(y == x8 * 2 + 1).all(dim=1)).nonzero().flatten().tolist()
     assert wrong == [], f"rows {wrong} of the replay read the capture's example"
+
+
+def test_an_eager_mode_call_on_another_stream_waits_for_the_last_call() -> None:
+    """``mode="eager"`` runs ``forward`` on the same static inputs: the first call's run reads
+    them about 100 ms late (a busy GPU); the second call, on another stream, must not write
+    them before."""
+    runner = bcg.GraphRunner(_sleeps_at_8, [4, 8], example_inputs=(torch.zeros(8, 16, device="cuda"),),
+                             mode="eager", copy_outputs=True, progress=False).capture()
+    xa, xb = torch.randn(8, 16, device="cuda"), torch.randn(8, 16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ya = runner(xa)
+    yb = runner(xb)
+    torch.cuda.synchronize()
+    assert torch.equal(ya, xa * 2 + 1) and torch.equal(yb, xb * 2 + 1)

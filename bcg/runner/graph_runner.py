@@ -329,6 +329,8 @@ class GraphRunner:
                     f"cuda:{device}: call it under torch.cuda.device({self._device.index})"
                 )
             stream = self._lock.serialize_streams(device)
+        elif self._device.type == "cuda":  # eager mode on a GPU: its runs read the static inputs too
+            self._lock.serialize_streams(self._device.index or 0)
         if handed is not None and handed[1] == n:
             if not self._ladder.sanitize:
                 static.zero_tails(chosen.views, T)  # (the rows before T are the call's own)
