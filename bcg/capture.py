@@ -75,10 +75,10 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     def __init__(
         self,
         graph: BreakableGraph,
-        *,
         pool: PoolHandle | None = None,
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
+        *,
         live: Any = UNSET,
         variants: VariantPolicy | None = None,
         debug: Debug | None = None,

@@ -311,6 +311,23 @@ def test_good_arguments_still_construct() -> None:
     assert report.ok
 
 
+def test_capture_takes_torch_cuda_graphs_leading_arguments_in_its_order() -> None:
+    """``torch.cuda.graph(g, pool, stream, capture_error_mode)`` is legal torch: the same call on
+    ``bcg.capture`` is accepted, and each argument lands where torch's would."""
+    import inspect
+
+    theirs = list(inspect.signature(torch.cuda.graph).parameters.values())[1:4]
+    ours = list(inspect.signature(bcg.capture).parameters.values())[1:4]
+    assert [p.name for p in ours] == [p.name for p in theirs] == ["pool", "stream", "capture_error_mode"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in ours)
+    stream = _stream()
+    bcg.capture(_G(), (0, 7), stream, "thread_local")
+    with pytest.raises(TypeError, match="pool"):  # the second positional argument is checked as the pool
+        bcg.capture(_G(), stream)
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        bcg.capture(_G(), None, None, "loud")
+
+
 def test_describe_says_what_a_value_is() -> None:
     assert args.describe(None) == "None"
     assert args.describe(42) == "42 (int)"

@@ -834,6 +834,52 @@ def test_breakpoint_raising_during_capture_abandons_cleanly() -> None:
     _assert_clean(stream)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_a_breakpoint_error_caught_inside_the_capture_block_still_fails_the_capture(staged: bool) -> None:
+    """A breakpoint that raises abandons the capture; a ``try``/``except`` around it inside the block
+    must not turn that into a graph missing the work after it (or an internal error at exit)."""
+    options = {"prepare": lambda live: live, "fits": lambda live: True} if staged else {}
+
+    @bcg.breakpoint(**options)
+    def broken(t: torch.Tensor) -> None:
+        raise ValueError("metadata missing")
+
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    pool = bcg.graph_pool_handle()
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(bcg.CaptureError, match="caught inside the capture block") as info:
+        with bcg.capture(graph, pool, stream, live=1):
+            y = x * 2
+            try:
+                broken(y)
+            except ValueError:
+                pass
+            y.add_(1)
+    assert "broken" in str(info.value)
+    assert not graph.is_captured
+    _assert_clean(stream, pool)
+
+
+def test_capturing_into_a_pool_whose_graphs_were_reset_while_its_tensors_live_fails_cleanly() -> None:
+    """torch cannot share a pool whose graphs are all gone while tensors it allocated live on (its
+    allocator asserts): bcg says so and what to do, leaves no stream capturing and the RNG usable."""
+    pool = bcg.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    x = torch.randn(16, device="cuda")
+    graph = bcg.BreakableGraph()
+    with bcg.capture(graph, pool, stream):
+        out = x * 2  # allocated in the pool, kept alive below
+    graph.reset()
+    with pytest.raises(bcg.CaptureError, match="graph_pool_handle"):
+        with bcg.capture(graph, pool, stream):
+            x * 3
+    assert not graph.is_captured
+    torch.rand(4, device="cuda")  # eager random ops work (torch's RNG is not left capturing)
+    _assert_clean(stream)
+    del out
+
+
 def test_breakpoint_raising_during_replay_leaves_graph_replayable() -> None:
     @bcg.breakpoint
     def flaky(t: torch.Tensor) -> None:

@@ -42,7 +42,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from bcg.core import cudart
 from bcg.core.process import on_release
+from bcg.errors import CaptureError
 from bcg.core.torch_internals import begin_allocate_to_pool, end_allocate_to_pool, pytree, storage_at
 
 PoolHandle = tuple[int, int]
@@ -117,8 +119,18 @@ class PoolLease:
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             # thread_local: a global-mode capture, however short, would refuse other threads'
             # cudaMalloc and synchronize (and its own capture would fail on theirs)
-            self._graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
-            self._graphs[0].capture_end()
+            try:
+                begin_capture_into(holder, pool, "thread_local", stream)
+            except RuntimeError as exc:
+                if "use_count" not in str(exc):
+                    raise
+                raise CaptureError(
+                    f"cannot capture into pool {tuple(pool)}: every graph captured into it was reset or freed "
+                    "while tensors it allocated are still alive (say, an old graph's outputs), and torch "
+                    "cannot share such a pool again. Capture into a new pool (bcg.graph_pool_handle()), "
+                    "keep one graph of the pool captured while capturing the next, or drop those tensors first"
+                ) from exc
+            holder.capture_end()
         self._release = on_release(self, lambda graphs=self._graphs: _reset_all(graphs))
 
     def keep(self, graph: torch.cuda.CUDAGraph) -> None:
@@ -138,6 +150,33 @@ class PoolLease:
     def release(self) -> None:
         """Drop the graph's counts on the pool (idempotent; deferred while a capture runs)."""
         self._release()
+
+
+def begin_capture_into(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
+    """``graph.capture_begin(pool=pool)`` on ``stream`` (the current stream); if torch refuses, no
+    capture is left open on ``stream`` and torch's RNG capture state is closed again (torch opens
+    it before it routes allocations to the pool, which is where a refused pool fails)."""
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
+    except BaseException:
+        cudart.end_capture(int(stream.cuda_stream))
+        reset_rng_capture_state(stream)
+        raise
+
+
+def reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
+    """Close the RNG generator's capture state left open by a failed ``capture_begin``/``capture_end``.
+
+    torch marks the default generator as capturing in ``capture_begin`` and
+    unmarks it only in a successful ``capture_end``; after a failed one every
+    eager random op would raise. An empty capture runs the prologue/epilogue pair.
+    """
+    repair = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        repair.capture_begin(capture_error_mode="thread_local")  # (see PoolLease: other threads go on)
+        repair.capture_end()
+    repair.reset()
 
 
 def _reset_all(graphs: list[torch.cuda.CUDAGraph]) -> None:

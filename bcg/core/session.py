@@ -41,7 +41,10 @@ from bcg.core.bridge import BridgeSet
 from bcg.core.compiled import CompileWatch
 from bcg.core.debug import Debug, Guards, Poison
 from bcg.core.plan import BreakpointStep, Recording, SegmentStep, Step
-from bcg.core.pool import PoolHandle, PoolLease, PoolMembership, SegmentGraph, SegmentMap, graph_pool_handle
+from bcg.core.pool import (
+    PoolHandle, PoolLease, PoolMembership, SegmentGraph, SegmentMap, begin_capture_into, graph_pool_handle,
+    reset_rng_capture_state,
+)
 from bcg.core.process import capture_lock, capture_stream, capturing, release_when_safe
 from bcg.core.storages import StorageWatch
 from bcg.core.torch_internals import clear_cublas_workspaces, end_allocate_to_pool
@@ -152,6 +155,7 @@ class CaptureSession(Recorder):
         self._group_nodes: dict[str, list[Any]] = {}  # the open segment's node groups' nodes, per label
         self.always_run: set[str] = set()  # labels with a block that cannot be switched off
         self.stage_at: int | None = None  # the plan index the staged copies start at (see staging_point)
+        self.broken: str | None = None  # a breakpoint raised: the capture is abandoned, even if that was caught
         # the storages outside the pool that captured operations read (see bcg.core.storages)
         segment_map = SegmentMap([pool], self.lease)
         self.watch = StorageWatch(segment_map.external, recording=self.recording_segment, writers=segment_map.writers)
@@ -175,7 +179,8 @@ class CaptureSession(Recorder):
         """End the open segment; keep it (instantiated, uploaded, run once unless ``run`` is
         False) unless empty."""
         graph = self._current
-        assert graph is not None
+        if graph is None or self.broken is not None:
+            raise self._abandoned()
         joined = cudart.join_forked_work(self.stream_handle)
         if joined:
             self.forks.append(_Fork(self._segment_index, before, joined))
@@ -277,6 +282,7 @@ class CaptureSession(Recorder):
             with self.watch.paused():  # (nothing of it is captured)
                 result = self.run_breakpoint(spec.capture_stub or spec.fn, args, kwargs)
         except BaseException as exc:
+            self.broken = f"breakpoint {spec.name!r} raised {type(exc).__name__}"
             add_note(exc, f"bcg: raised by breakpoint {spec.name!r} during capture; the capture was abandoned")
             raise
         with self.lease.allocating():
@@ -300,9 +306,12 @@ class CaptureSession(Recorder):
         """A staged breakpoint, inline: its ``prepare``'s uploads and its kernels join the segment."""
         if not self.inline:
             return self.on_breakpoint(spec, args, kwargs)
+        if self.broken is not None:
+            raise self._abandoned()
         try:
             result = self.staged_breakpoints.record(self, spec, args, kwargs)
         except BaseException as exc:
+            self.broken = f"staged breakpoint {spec.name!r} raised {type(exc).__name__}"
             add_note(exc, f"bcg: raised by staged breakpoint {spec.name!r}, captured inline; the capture was abandoned")
             raise
         if result is NOT_INLINE:
@@ -310,6 +319,15 @@ class CaptureSession(Recorder):
         if self._after_breakpoint is not None:
             self._after_breakpoint(crossing_tensors(tensor_leaves(result), spec, args, kwargs))
         return result
+
+    def _abandoned(self) -> CaptureError:
+        """The error for a capture a breakpoint's exception abandoned inside the block."""
+        why = self.broken or "a breakpoint raised"
+        return CaptureError(
+            f"bcg.capture: {why} during capture and the exception was caught inside the capture block. "
+            "A breakpoint that raises abandons the capture (the work after it was not captured): let the "
+            "exception leave the `with` block, or make the breakpoint not raise at capture"
+        )
 
     def on_graph_break(self) -> None:
         self.close_segment("bcg.graph_break()")
@@ -678,23 +696,18 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
             cudart.end_capture(handle)
             with contextlib.suppress(RuntimeError):
                 end_allocate_to_pool(device, pool)
-            _reset_rng_capture_state(stream)
+            reset_rng_capture_state(stream)
 
 
 def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
-    """``graph.capture_begin`` on ``stream`` (the current stream); if it fails, no capture is left
-    open on ``stream`` and torch's RNG capture state is closed.
+    """``graph.capture_begin`` on ``stream`` (the current stream), cleaned up if it fails (see
+    :func:`bcg.core.pool.begin_capture_into`).
 
     Torch's cached cuBLAS workspaces are dropped first, so that the segment's
     matmuls allocate theirs inside the capture, in the graph's own pool
     (see :func:`bcg.core.torch_internals.clear_cublas_workspaces`)."""
     clear_cublas_workspaces()
-    try:
-        graph.capture_begin(pool=pool, capture_error_mode=mode)
-    except BaseException:
-        cudart.end_capture(int(stream.cuda_stream))
-        _reset_rng_capture_state(stream)  # torch opened it before failing
-        raise
+    begin_capture_into(graph, pool, mode, stream)
 
 
 def _owner() -> str:
@@ -760,18 +773,3 @@ def _streams_in(tb: TracebackType | None, capture_handle: int) -> list[str]:
                 found.setdefault(int(value.cuda_stream), f"{int(value.cuda_stream):#x} on {value.device}")
         tb = tb.tb_next
     return list(found.values())
-
-
-def _reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
-    """Close the RNG generator's capture state left open by a failed ``capture_end``.
-
-    torch marks the default generator as capturing in ``capture_begin`` and
-    unmarks it only in a successful ``capture_end``; after a failed one every
-    eager random op would raise. An empty capture runs the prologue/epilogue pair.
-    """
-    repair = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        repair.capture_begin(capture_error_mode="thread_local")  # (see PoolLease: other threads go on)
-        repair.capture_end()
-    repair.reset()
