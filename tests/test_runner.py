@@ -537,6 +537,87 @@ def test_sanitizing_follows_the_dims_that_grow_with_the_bucket() -> None:
     assert torch.equal(cache[1:], before[1:]) and torch.equal(cache[0], before[0] + 1)  # cache untouched
 
 
+@pytest.mark.parametrize("returned", [False, True], ids=["argument", "returned"])
+def test_an_additive_key_mask_crossing_breakpoints_keeps_its_minus_inf(returned: bool) -> None:
+    """A ``[T, T]`` mask with ``-inf`` in the padded key columns, crossing breakpoints (an argument
+    of a breakpoint without ``mutates=``, or a breakpoint's result): the runner zeroes its padded
+    rows, not the real rows' masked columns, so a padded call equals eager."""
+    weights = [torch.randn(HIDDEN, HIDDEN) / HIDDEN**0.5 for _ in range(6)]
+
+    @bcg.breakpoint
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.T / HIDDEN**0.5 + mask, dim=-1) @ v
+
+    @bcg.breakpoint
+    def key_mask(valid: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(valid.shape[0], valid.shape[0]).masked_fill(valid[None, :] == 0, float("-inf"))
+
+    def forward(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if returned:
+            mask = key_mask(valid)
+        else:
+            mask = torch.zeros(x.shape[0], x.shape[0]).masked_fill(valid[None, :] == 0, float("-inf"))
+        for layer in range(2):
+            q, k, v = (x @ weights[3 * layer + i] for i in range(3))
+            x = x + attention(q, k, v, mask)
+        return x
+
+    runner = _runner(forward, [8, 16], (torch.randn(4, HIDDEN), torch.ones(4)))
+    runner.capture()
+    for T in (5, 11):
+        x = torch.randn(T, HIDDEN)
+        torch.testing.assert_close(runner(x, torch.ones(T)), forward(x, torch.ones(T)))
+
+
+def test_nan_past_t_in_a_real_row_is_zeroed_along_every_dim_that_grows() -> None:
+    """A breakpoint that leaves NaN past ``T`` in the real rows of a ``[T, T]`` result (it writes
+    only ``[:T, :T]`` of NaN-filled memory): a later sum over the row stays finite and equals eager."""
+
+    @bcg.breakpoint
+    def scores(x: torch.Tensor) -> torch.Tensor:
+        T = bcg.live()
+        out = torch.full((x.shape[0], x.shape[0]), float("nan"))
+        out[:T, :T] = x[:T] @ x[:T].T
+        return out
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return scores(x * 2).sum(dim=1, keepdim=True) * x
+
+    runner = _runner(forward, [8, 16], (torch.randn(4, HIDDEN),), live=lambda n: n)
+    runner.capture()
+    x = torch.randn(6, HIDDEN)
+    y = runner(x, live=6)
+    assert torch.isfinite(y).all()
+    with bcg.live_scope(6):
+        torch.testing.assert_close(y, forward(x))
+
+
+def test_an_unfit_call_on_the_runners_own_buffers_runs_eagerly_under_the_call_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call no staged form fits (``StagedTiers(breakable=False)``) runs eagerly; on the runner's
+    own buffers that eager run reads what another thread's call would write, so it holds the lock."""
+    held: list[bool] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        held.append(runner._lock.lock._is_owned())  # (the pool's call lock, an RLock)
+        return x * 2
+
+    runner = _runner(forward, [4, 8], (torch.randn(2, 3),))
+    runner.capture()
+    buffers = runner.input_buffers(3)
+    x = torch.randn(3, 3)
+    buffers[0].copy_(x)
+
+    def unfit(*args: object, **kwargs: object) -> None:
+        raise bcg.errors.NoFormFitsError("no staged form fits")  # what such a bucket's replay raises
+
+    monkeypatch.setattr(runner._ladder, "run_eager", unfit)
+    held.clear()
+    torch.testing.assert_close(runner(*buffers), x * 2)
+    assert runner.stats()["fallbacks"]["staged_unfit"] == 1
+    assert held == [True]
+
+
 def test_tensors_that_existed_before_the_run_are_never_sanitized() -> None:
     """A plain (non-Parameter) tensor held by the model, shaped like a token tensor at the
     largest bucket (``[16, H]``, bucket 16), passed to a breakpoint that declares no

@@ -815,3 +815,16 @@ def test_outputs_are_views_valid_until_the_next_call_unless_copied() -> None:
     copy_runner(x2, pos2, live=live2)
     assert v1.data_ptr() == v2.data_ptr()  # the same static memory: v1 now holds the second result
     assert torch.equal(c1, first)
+
+
+def test_a_conjugated_complex_input_keeps_its_conjugation() -> None:
+    """A contiguous input with torch's lazy conjugate (or negative) bit is copied as its values,
+    not as its bytes."""
+    runner = bcg.GraphRunner(lambda x: x * 2, [8], progress=False,
+                             example_inputs=(torch.randn(4, 3, dtype=torch.complex64, device="cuda"),))
+    runner.capture()
+    for T in (5, 8):
+        x = torch.randn(T, 3, dtype=torch.complex64, device="cuda")
+        torch.testing.assert_close(runner(x.conj()), x.conj() * 2)
+    runner.reset()
+

@@ -21,6 +21,7 @@ import torch
 from bcg.core.breakpoint import UNSET, live_scope, recording
 from bcg.core.debug import Debug
 from bcg.core.pool import PoolHandle
+from bcg.core.process import release_when_safe
 from bcg.core.torch_internals import pytree, stream_readers
 from bcg.distributed.agreement import RankAgreement, checked_call, replay_choice
 from bcg.errors import NoFormFitsError, ReplayError
@@ -91,7 +92,7 @@ class GraphRunner:
             (``True`` is 1), so sizes seen fewer than ``k`` times get no graph.
         max_padding_ratio: run eagerly when ``(bucket - T) / bucket`` exceeds it (default
             ``None``: never).
-        copy_outputs: ``True`` returns copies, ``False`` views valid until the next call,
+        copy_outputs: ``True`` returns copies, ``False`` views valid until the next call or capture,
             ``None`` (default) views while one thread calls and copies once several do
             (see :meth:`locked`).
         sanitize: zero the padded rows of inputs and of tensors crossing breakpoints
@@ -258,7 +259,9 @@ class GraphRunner:
                     return self._locked_call(inputs, live, bucket)
             return self._locked_call(inputs, live, bucket)
         except NoFormFitsError:  # chosen before any launch (StagedTiers(breakable=False))
-            return self._fallback("staged_unfit", inputs, live, None)
+            with self._lock.for_caller():  # (the eager run reads the static inputs the next call writes)
+                self._after_last_call(self._handed.owns(inputs))
+                return self._fallback("staged_unfit", inputs, live, None)
 
     def _locked_call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None) -> Any:
         with self._lock.for_caller():
@@ -274,6 +277,12 @@ class GraphRunner:
             if ranks is None or not ranks.same_inputs:
                 return self._call(inputs, live, bucket, None)
             return checked_call(ranks, lambda choice: self._call(inputs, live, bucket, choice), {_ROUTE: _RAISED})
+
+    def _after_last_call(self, on_own_buffers: bool) -> None:
+        """Before an eager run on the runner's own buffers (``input_buffers``), under the call lock:
+        order it after the last call's work on them, on whatever stream that ran."""
+        if on_own_buffers and self._ladder.mode == "graph":
+            self._lock.serialize_streams(self._device.index or 0)
 
     def _call(self, inputs: tuple[Any, ...], live: Any, bucket: int | None, choice: dict[str, int] | None) -> Any:
         """One call, under the call lock; ``choice`` (same inputs only) records what it chose."""
@@ -302,10 +311,10 @@ class GraphRunner:
             return self._fallback("too_large", inputs, live, choice)
         chosen = self._ladder.buckets[n]
         if chosen.failure is not None:
+            self._after_last_call(handed is not None)
             return self._fallback("capture_failed", inputs, live, choice)
         if not chosen.captured:  # lazy=True, or a background capture: this call runs eagerly
-            if handed is not None and self._ladder.mode == "graph":  # on the runner's own buffers: after
-                self._lock.serialize_streams(self._device.index or 0)  # the last work on them
+            self._after_last_call(handed is not None)
             lazy = self._schedule.lazy and not self._schedule.in_background  # (else the background thread captures)
             # The first call's run, watched, tells the first capture which dims grow with the size
             # (as a probe run would; not with ranks, whose calls' T differ: all ranks probe alike)
@@ -315,6 +324,7 @@ class GraphRunner:
                 self._schedule.capture_after_call(chosen)
             return out
         if too_padded(n, T_all, self._max_padding_ratio):
+            self._after_last_call(handed is not None)
             return self._fallback("padding_waste", inputs, live, choice)
         static, sanitizer = self._ladder.static, self._ladder.sanitizer
         assert static is not None and sanitizer is not None
@@ -534,6 +544,8 @@ class GraphRunner:
         with self._lock.lock:
             self._ladder.free()
             self._clear_counts()
+        if torch.cuda.is_initialized():
+            release_when_safe(torch.cuda.empty_cache)  # the pool's blocks and the static inputs go back
 
     def __enter__(self) -> GraphRunner:
         if not self._schedule.serving:

@@ -248,6 +248,7 @@ class StaticInputs:
                 stream is not None
                 and s.index in self._buffers
                 and x.is_contiguous()
+                and not x.is_conj() and not x.is_neg()  # (lazy bits a byte copy would drop)
                 and x.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
             ):  # (``copy_`` refuses an input that overlaps the buffer; a memcpy would not)
                 cudart.copy_device_to_device(view.data_ptr(), x.data_ptr(), x.numel() * x.element_size(), stream)

@@ -18,6 +18,7 @@ and on again for the next call that pads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -369,10 +370,11 @@ class PaddingSanitizer:
         """An ``after_breakpoint`` hook applying the schedule of the warm-up at size ``n``.
 
         The ``k``-th call zeroes, for each crossing tensor that has the shape
-        and dtype the warm-up saw at that position, the rows ``>= T`` along the
-        scheduled dims (``masked_fill_`` against the row mask computed at the
-        start of the graph), in the :data:`PADDING` node group. One hook per
-        capture or eager run: it counts calls.
+        and dtype the warm-up saw at that position, its rows ``>= T`` along the
+        first scheduled dim (``masked_fill_`` against the row mask computed at the
+        start of the graph) and, along the others, only NaN past ``T`` (a
+        ``[T, T]`` additive mask keeps its ``-inf``), in the :data:`PADDING` node
+        group. One hook per capture or eager run: it counts calls.
         """
         schedule = self._schedules.get(n)
         if not self.enabled or not schedule or not any(z.dims for call in schedule for z in call):
@@ -387,7 +389,12 @@ class PaddingSanitizer:
             with node_group(PADDING):
                 for z, t in zip(zeroings, tensors):
                     if z.dims and t.dtype == z.dtype and t.shape == z.shape:
-                        for dim in z.dims:
-                            t.masked_fill_(self._mask_view(n, dim, t.dim()), 0)
+                        rows, *others = z.dims
+                        t.masked_fill_(self._mask_view(n, rows, t.dim()), 0)
+                        if others and t.is_floating_point():
+                            # along the other dims only NaN goes: real rows keep their values past T (a -inf
+                            # key mask), and NaN garbage there cannot spread into their sums
+                            pad = functools.reduce(torch.logical_or, (self._mask_view(n, d, t.dim()) for d in others))
+                            t.masked_fill_(pad & t.isnan(), 0)
 
         return hook
