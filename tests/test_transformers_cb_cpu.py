@@ -544,6 +544,33 @@ def test_enable_refuses_what_it_cannot_run() -> None:
         bcg_transformers.enable(model, mode="fast")
 
 
+@pytest.mark.parametrize("buckets", [[], [0, 8], [8, 8.5]])
+def test_enable_refuses_a_bad_bucket_ladder(buckets: list) -> None:
+    """A ladder the runner would refuse is refused by ``enable``, not at the first step (where
+    transformers would catch it and fail every request)."""
+    model = tiny_llama(0, vocab=VOCAB)
+    with pytest.raises((ValueError, TypeError), match="buckets"):
+        bcg_transformers.enable(model, buckets=buckets)
+    assert "forward" not in vars(model.base_model)
+
+
+def test_a_bucket_above_the_caches_step_size_is_cut_to_it() -> None:
+    """``max_batch_tokens`` bounds every step: a bucket above it becomes a bucket of that size,
+    which captures (the static indices hold that many tokens) and runs the steps above the others."""
+    torch.manual_seed(fresh_seed())
+    model = tiny_llama(1)
+    requests = prompts(1, 12, 1, 90, 512)
+    expected = generate(model, requests, 6, **CB)
+    graphs = bcg_transformers.enable(model, buckets=[4, 16, 256])
+    try:
+        assert generate(model, requests, 6, **CB) == expected
+        stats = graphs.stats()
+    finally:
+        graphs.disable()
+    assert not stats["failed_buckets"] and stats["fallbacks"]["capture_failed"] == 0
+    assert max(stats["buckets"]) == CB["max_batch_tokens"]
+
+
 def test_defaults_without_flash_keep_the_masked_staged_attention() -> None:
     model = tiny_llama(0, vocab=VOCAB)  # fp32 on the CPU: no flash
     graphs = bcg_transformers.enable(model)

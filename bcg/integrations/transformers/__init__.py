@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bcg.integrations.transformers.divergence import divergence
+from bcg.runner.buckets import normalize_buckets
 from bcg.integrations.transformers.graphs import (
     BASES,
     DEFAULT_KV_BOUNDS,
@@ -39,7 +40,8 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
             ``"sdpa"`` or ``"eager"`` (which transformers' CB runs as ``"paged|sdpa"`` and
             ``"paged|eager"``) or one of those paged forms, and full attention only (no
             sliding-window layers).
-        buckets: the token buckets; a step above the last runs eagerly. Default: where the
+        buckets: the token buckets; a step above the last runs eagerly, and a bucket above the
+            CB cache's ``max_batch_tokens`` (no step is larger) is cut to it. Default: where the
             staged attention runs flash (see ``kv_bounds``), ``bcg.runner.geometric_buckets`` from
             ``FLASH_MIN_BUCKET`` to ``FLASH_MAX_BUCKET`` (larger steps run eagerly, attention with
             the same flash kernel on their own sizes); else ``bcg.runner.default_buckets`` from 8
@@ -77,6 +79,11 @@ def enable(model: Any, *, buckets: Sequence[int] | None = None, staged: bool = T
     if staged_max_tokens is not None and (not isinstance(staged_max_tokens, int) or staged_max_tokens < 0):
         raise ValueError("bcg.integrations.transformers.enable: staged_max_tokens must be None or an int >= 0, "
                          f"not {staged_max_tokens!r}")
+    if buckets is not None:
+        try:
+            buckets = normalize_buckets(buckets)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"bcg.integrations.transformers.enable: buckets: {exc}") from None
     bounds = tuple(kv_bounds) if kv_bounds is not None else None
     if bounds is not None and (not bounds or any(not isinstance(b, int) or b <= 0 for b in bounds)
                                or list(bounds) != sorted(set(bounds))):

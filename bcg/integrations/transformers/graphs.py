@@ -246,8 +246,8 @@ class ContinuousBatchingGraphs:
             # with it: they hold its K/V tensors, which the next session's cache needs the memory of.
             weakref.finalize(cache, _session_ended, weakref.ref(self), self.sessions).atexit = False
             max_tokens = cache.max_batch_tokens
-            if self._buckets is not None:
-                buckets = self._buckets
+            if self._buckets is not None:  # a step holds at most max_tokens: a bucket above is cut to it
+                buckets = sorted({min(b, max_tokens) for b in self._buckets})
             elif self.flash:
                 buckets = bcg.runner.geometric_buckets(min(FLASH_MIN_BUCKET, max_tokens),
                                                        min(FLASH_MAX_BUCKET, max_tokens))
