@@ -36,6 +36,7 @@ typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
 typedef void *CUgraphExec;
+typedef void *CUgraphNode;
 
 #define BCG_CUDA_SUCCESS 0
 #define BCG_MAX_DEVICES 64
@@ -49,6 +50,8 @@ typedef CUresult (*cuCtxSetCurrent_t)(CUcontext);
 typedef CUresult (*cuDeviceGet_t)(CUdevice *, int);
 typedef CUresult (*cuDevicePrimaryCtxRetain_t)(CUcontext *, CUdevice);
 typedef CUresult (*cuStreamIsCapturing_t)(CUstream, int *); /* CUstreamCaptureStatus: 0 = none */
+/* the parameters: a CUDA_KERNEL_NODE_PARAMS (v2) the caller built (bcg.staged.kernel) */
+typedef CUresult (*cuGraphExecKernelNodeSetParams_t)(CUgraphExec, CUgraphNode, const void *);
 
 /* Loaded once, at first use, under the GIL; never unloaded. */
 static struct {
@@ -63,6 +66,7 @@ static struct {
     cuDeviceGet_t DeviceGet;
     cuDevicePrimaryCtxRetain_t DevicePrimaryCtxRetain;
     cuStreamIsCapturing_t StreamIsCapturing; /* may be NULL: the check is then skipped */
+    cuGraphExecKernelNodeSetParams_t ExecKernelNodeSetParams; /* may be NULL: plans that set one refuse */
     /* primary contexts this module retained (once per device, never released, as cudart does) */
     CUcontext primary[BCG_MAX_DEVICES];
 } drv;
@@ -176,6 +180,9 @@ load_driver(void)
             BCG_SYM(DeviceGet, "cuDeviceGet", 1);
             BCG_SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1);
             BCG_SYM(StreamIsCapturing, "cuStreamIsCapturing", 0);
+            BCG_SYM(ExecKernelNodeSetParams, "cuGraphExecKernelNodeSetParams_v2", 0);
+            if (drv.ExecKernelNodeSetParams == NULL)
+                BCG_SYM(ExecKernelNodeSetParams, "cuGraphExecKernelNodeSetParams", 0);
 #undef BCG_SYM
             if (missing != NULL) {
                 snprintf(drv.error, sizeof drv.error,
@@ -263,7 +270,9 @@ check_not_capturing(CUstream stream)
 /* ---- Plan ------------------------------------------------------------------------- */
 
 typedef struct {
-    CUgraphExec exec;    /* launched when fn is NULL */
+    CUgraphExec exec;    /* launched when fn and node are NULL */
+    CUgraphNode node;    /* not NULL: set this kernel node of exec to params (no launch) */
+    const void *params;  /* owned by the caller, who keeps it alive as long as the plan */
     PyObject *fn;        /* borrowed from Plan.steps (which the plan owns), like the fields below */
     PyObject *args;      /* a tuple for a call step; NULL: fn is called with no arguments */
     PyObject *kwargs;    /* a dict or NULL */
@@ -277,6 +286,7 @@ typedef struct {
     Entry *entries;
     Py_ssize_t n;
     Py_ssize_t launches;  /* how many steps are graph launches */
+    Py_ssize_t sets;      /* how many steps set a kernel node's parameters */
     Py_ssize_t failed;    /* the step the last replay stopped at, or -1 */
 } PlanObject;
 
@@ -301,7 +311,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(steps);
         return PyErr_NoMemory();
     }
-    Py_ssize_t launches = 0;
+    Py_ssize_t launches = 0, sets = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *step = PyTuple_GET_ITEM(steps, i);
         if (PyLong_Check(step) && !PyBool_Check(step)) {
@@ -320,6 +330,29 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         else if (PyCallable_Check(step)) {
             entries[i].exec = NULL;
             entries[i].fn = step;
+        }
+        else if (PyTuple_Check(step) && PyTuple_GET_SIZE(step) == 3) {
+            void *handles[3];
+            for (int k = 0; k < 3; k++) {
+                PyObject *item = PyTuple_GET_ITEM(step, k);
+                if (!PyLong_Check(item) || PyBool_Check(item)) {
+                    PyErr_Format(PyExc_TypeError,
+                                 "Plan step %zd: a parameter step is (cudaGraphExec_t, kernel node, address "
+                                 "of its CUDA_KERNEL_NODE_PARAMS), three ints", i);
+                    goto fail;
+                }
+                handles[k] = PyLong_AsVoidPtr(item);
+                if (handles[k] == NULL) {
+                    if (!PyErr_Occurred())
+                        PyErr_Format(PyExc_ValueError, "Plan step %zd: a parameter step holds a null handle", i);
+                    goto fail;
+                }
+            }
+            entries[i].exec = handles[0];
+            entries[i].node = handles[1];
+            entries[i].params = handles[2];
+            entries[i].fn = NULL;
+            sets++;
         }
         else if (PyTuple_Check(step) && PyTuple_GET_SIZE(step) == 5) {
             PyObject *fn = PyTuple_GET_ITEM(step, 0), *fargs = PyTuple_GET_ITEM(step, 1);
@@ -344,8 +377,8 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         else {
             PyErr_Format(PyExc_TypeError,
                          "Plan step %zd must be an int (a cudaGraphExec_t handle to launch), a "
-                         "callable taking no arguments, or a call tuple (fn, args, kwargs, on_result, "
-                         "always), not %.200s",
+                         "callable taking no arguments, a call tuple (fn, args, kwargs, on_result, "
+                         "always), or a parameter tuple (exec, node, params), not %.200s",
                          i, Py_TYPE(step)->tp_name);
             goto fail;
         }
@@ -357,6 +390,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->entries = entries;
     self->n = n;
     self->launches = launches;
+    self->sets = sets;
     self->failed = -1;
     return (PyObject *)self;
 
@@ -378,6 +412,7 @@ Plan_clear(PlanObject *self)
 {
     self->n = 0; /* the entries borrow from steps */
     self->launches = 0;
+    self->sets = 0;
     Py_CLEAR(self->steps);
     return 0;
 }
@@ -448,10 +483,16 @@ static int
 plan_run(PlanObject *self, CUstream stream, int device, int checked)
 {
     self->failed = -1;
-    if (self->launches > 0 && !checked) {
+    if (self->launches + self->sets > 0 && !checked) {
         /* Before any step runs: a missing driver refuses the whole replay. */
         if (load_driver() < 0 || ensure_context(device) < 0 || check_not_capturing(stream) < 0)
             return -1;
+    }
+    if (self->sets > 0 && drv.ExecKernelNodeSetParams == NULL) {
+        raise_replay_error("the loaded libcuda.so.1 has no cuGraphExecKernelNodeSetParams (the driver is too "
+                           "old) to set a staged value; set BCG_NATIVE=0 to replay with the Python executor",
+                           -1, NULL);
+        return -1;
     }
 
     Py_INCREF(self); /* a callable may drop the last other reference */
@@ -467,7 +508,9 @@ plan_run(PlanObject *self, CUstream stream, int device, int checked)
             CUresult r = BCG_CUDA_SUCCESS;
             Py_BEGIN_ALLOW_THREADS
             for (;;) {
-                r = launch(e->exec, stream);
+                /* a staged value is set in the executable before its launch (queued launches keep theirs) */
+                r = e->node != NULL ? drv.ExecKernelNodeSetParams(e->exec, e->node, e->params)
+                                    : launch(e->exec, stream);
                 if (r != BCG_CUDA_SUCCESS || i + 1 == n || e[1].fn != NULL)
                     break;
                 i++;
@@ -476,7 +519,7 @@ plan_run(PlanObject *self, CUstream stream, int device, int checked)
             Py_END_ALLOW_THREADS
             if (r != BCG_CUDA_SUCCESS) {
                 self->failed = i;
-                raise_cuda_error("cuGraphLaunch", i, r);
+                raise_cuda_error(e->node != NULL ? "cuGraphExecKernelNodeSetParams" : "cuGraphLaunch", i, r);
                 break;
             }
         }

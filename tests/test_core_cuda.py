@@ -514,7 +514,7 @@ def test_nested_and_overlapping_groups_switch_node_by_node(refused: bool, monkey
     its groups is skipped. In a trimmed executable, in a segment using RNG (disabled nodes), and,
     where CUDA refuses to build a trimmed executable, with its nodes disabled (logged)."""
     if refused:
-        def refuse(*args: object) -> int:
+        def refuse(*args: object, **kwargs: object) -> int:
             raise RuntimeError("cudaErrorNotSupported: refused for the test")
 
         monkeypatch.setattr(bcg.core.plan, "trimmed_exec", refuse)

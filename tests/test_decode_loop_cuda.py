@@ -2,10 +2,12 @@
 by the device from the previous step's output, with no host synchronization, each step's staged
 metadata its own (docs/staged.md, "Decode loops that run ahead").
 
-What keeps a replay queued behind others from reading a later step's metadata is
-``StagingBuffer.write``: it waits for the event recorded after the previous replay's captured
-copy. The control below takes that wait away (every CUDA event reads as done) and asserts that
-the same loop then goes wrong, so the loop that passes is evidence of the wait."""
+What keeps a replay queued behind others from reading a later step's metadata depends on how the
+buffer reaches the device. A small one travels in a kernel's parameters, set at each replay and
+kept by launches already queued: the host never waits. A large one is a captured copy from pinned
+memory, and ``StagingBuffer.write`` waits for the event recorded after the previous replay's copy.
+The controls take each away (the parameters set once; every CUDA event read as done) and assert
+that the same loop then goes wrong, so the loops that pass are evidence of each."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 import bcg
 from bcg.bench import cli
+from bcg.staged.kernel import PARAM_BYTES, StageLaunch
 from bcg.bench.case import DecodeLoop, eager_step
 from bcg.bench.modes import MODES
 from bcg.bench.registry import BuildContext
@@ -27,6 +30,9 @@ if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machine
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
 ROWS, HIDDEN, STEPS = 8, 16, 32
+#: buffer sizes (float32 values) for each route: ROWS values travel in kernel parameters, more
+#: than ``PARAM_BYTES`` bytes are copied
+SIZES = {"parameters": ROWS, "copy": PARAM_BYTES // 4 + 1}
 
 
 def _busy_gpu(ms: float) -> None:
@@ -51,13 +57,14 @@ class Addends:
     number per row, at most ``ROWS``), staged in one StagingBuffer of ``ROWS`` values: a step
     that read another step's addends would change the loop's sums."""
 
-    def __init__(self) -> None:
-        self.buffer = bcg.StagingBuffer((ROWS,), dtype=torch.float32)
+    def __init__(self, size: int = ROWS) -> None:
+        self.size = size
+        self.buffer = bcg.StagingBuffer((size,), dtype=torch.float32)
         self.breakpoint = bcg.breakpoint(self._add, name="add_staged", mutates=("out",), prepare=self.prepare,
                                          fits=self.fits)
 
     def prepare(self, addends: tuple[float, ...]) -> torch.Tensor:
-        self.buffer.write((*addends, *(0.0,) * (ROWS - len(addends))))
+        self.buffer.write((*addends, *(0.0,) * (self.size - len(addends))))
         return self.buffer.device
 
     def fits(self, addends: tuple[float, ...]) -> bool:
@@ -70,12 +77,14 @@ class Addends:
         out.copy_(x + v.unsqueeze(1))
 
 
-def _addend_loop(rng: random.Random) -> tuple[bcg.GraphRunner, DecodeLoop, torch.Tensor, torch.Tensor]:
+def _addend_loop(rng: random.Random, route: str = "parameters") -> tuple[bcg.GraphRunner, DecodeLoop, torch.Tensor,
+                                                                          torch.Tensor]:
     """A runner over one staged step ``x -> 2 * x - x + addends``, and a decode loop of ``STEPS``
     steps whose next input is the step's output (a device copy), with fresh integer addends per
     step and row; the expected end: the start plus each row's sum (exact in float32)."""
     _busy_gpu(0)  # calibrated now, outside the checks
-    staged = Addends()
+    staged = Addends(SIZES[route])
+    assert staged.buffer.in_parameters == (route == "parameters")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = 2 * x - x  # captured work before the staged copy
@@ -108,10 +117,13 @@ def _run_behind_a_busy_gpu(runner: bcg.GraphRunner, loop: DecodeLoop) -> torch.T
     return x.clone()
 
 
-def test_a_loop_queued_behind_a_busy_gpu_reads_each_steps_own_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", ["parameters", "copy"])
+def test_a_loop_queued_behind_a_busy_gpu_reads_each_steps_own_metadata(monkeypatch: pytest.MonkeyPatch,
+                                                                        route: str) -> None:
     """No host synchronization in the loop (sync debug mode "error"), yet every step reads its own
-    addends: the host blocked in StagingBuffer.write on the previous step's copy event."""
-    runner, loop, expected, _ = _addend_loop(random.Random())
+    addends: in kernel parameters with no wait at all (the GPU is still busy when the loop ends);
+    copied, with the host blocked in StagingBuffer.write on the previous step's copy event."""
+    runner, loop, expected, _ = _addend_loop(random.Random(), route)
     (x,) = runner.input_buffers(ROWS)
     loop.run(lambda live: runner(x, live=live), (x,))  # a first loop, not timed: lazy set-up outside the check
     torch.cuda.synchronize()
@@ -129,17 +141,39 @@ def test_a_loop_queued_behind_a_busy_gpu_reads_each_steps_own_metadata(monkeypat
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(end, expected)
-    assert waits, "the loop ran ahead of a busy GPU, so a write must have waited for a copy event"
+    if route == "copy":
+        assert waits, "the loop ran ahead of a busy GPU, so a write must have waited for a copy event"
+    else:
+        assert not waits
     stats = runner.stats()
     assert stats["graph_calls"] == stats["inline_replays"] == 2 * STEPS and not any(stats["staged_fallbacks"].values())
     runner.reset()
 
 
-def test_control_without_the_wait_a_queued_step_reads_a_later_steps_metadata(
+def test_control_with_the_parameters_set_once_a_queued_step_reads_the_captures_metadata(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same loop with StagingBuffer.write's wait taken away (every CUDA event reads as done):
+    """The loop in kernel parameters, replayed by the Python executor with the per-replay setting
+    taken away: every step adds the addends set last before it (the first loop's last), not its own."""
+    runner, loop, expected, last = _addend_loop(random.Random(), "parameters")
+    (x,) = runner.input_buffers(ROWS)
+    loop.run(lambda live: runner(x, live=live), (x,))
+    torch.cuda.synchronize()
+    graph = runner.graph(ROWS)
+    assert graph is not None
+    graph.use_executor("python")
+    monkeypatch.setattr(StageLaunch, "set_in", lambda self, graph_exec, node: None)
+    end = _run_behind_a_busy_gpu(runner, loop)
+    monkeypatch.undo()
+    assert not torch.equal(end, expected)
+    assert torch.equal(end, loop.start[0] + STEPS * last.unsqueeze(1))
+    runner.reset()
+
+
+def test_control_without_the_wait_a_queued_copy_reads_a_later_steps_metadata(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copied loop with StagingBuffer.write's wait taken away (every CUDA event reads as done):
     the copies, queued behind the busy GPU, read whatever the host wrote last."""
-    runner, loop, expected, last = _addend_loop(random.Random())
+    runner, loop, expected, last = _addend_loop(random.Random(), "copy")
     (x,) = runner.input_buffers(ROWS)
     loop.run(lambda live: runner(x, live=live), (x,))
     torch.cuda.synchronize()

@@ -55,7 +55,7 @@ def test_extension_is_built_and_importable() -> None:
 
 @pytest.mark.parametrize("bad", ["segment", 1.5, None, True, b"\x00", object()])
 def test_plan_rejects_invalid_step_types(_native, bad) -> None:  # noqa: ANN001
-    with pytest.raises(TypeError, match=r"Plan step 1 must be an int .* a callable .* or a call tuple"):
+    with pytest.raises(TypeError, match=r"Plan step 1 must be an int .* a callable .* a call tuple .* or a parameter tuple"):
         _native.Plan((lambda: None, bad))
 
 
@@ -444,6 +444,17 @@ CUresult cuStreamIsCapturing(void *stream, int *status) {
     *status = (uintptr_t)stream == 0xCA ? 1 : 0; return 0;
 }
 CUresult cuGraphUpload(void *exec, void *stream) { (void)exec; (void)stream; n_uploads++; return 0; }
+static uintptr_t set_exec[64], set_params[64];
+static int n_set;
+CUresult cuGraphExecKernelNodeSetParams_v2(void *exec, void *node, const void *params) {
+    if ((uintptr_t)node == 0xDEAD) return 400;
+    if (n_launched < 256) launched[n_launched++] = (uintptr_t)node;  /* in the launch log, by node */
+    if (n_set < 64) { set_exec[n_set] = (uintptr_t)exec; set_params[n_set] = (uintptr_t)params; n_set++; }
+    return 0;
+}
+uintptr_t fake_set_exec(int i) { return set_exec[i]; }
+uintptr_t fake_set_params(int i) { return set_params[i]; }
+int fake_sets(void) { return n_set; }
 static const char *name_of(CUresult e) {
     switch (e) { case 1: return "CUDA_ERROR_INVALID_VALUE"; case 101: return "CUDA_ERROR_INVALID_DEVICE";
                  case 201: return "CUDA_ERROR_INVALID_CONTEXT"; case 400: return "CUDA_ERROR_INVALID_HANDLE"; }
@@ -517,6 +528,23 @@ for stream, message in ((0xCA, "stream that is capturing a CUDA graph"), (0xBAD,
         nat.Plan([lambda: calls.append("a"), 0x10]).replay(stream, 0)
     assert calls == [] and launched() == []
 
+# a parameter step sets a kernel node of an executable (no launch), in plan order with the launches
+fake.fake_set_exec.restype = fake.fake_set_params.restype = ctypes.c_size_t
+fake.fake_reset()
+calls = []
+plan = nat.Plan([(0x10, 0x5E1, 0xABC), 0x10, lambda: calls.append(launched()), (0x20, 0x5E2, 0xDEF), 0x20])
+assert plan.launches == 2
+plan.replay(0x77, 0)
+assert launched() == [0x5E1, 0x10, 0x5E2, 0x20] and calls == [[0x5E1, 0x10]]
+assert [(fake.fake_set_exec(i), fake.fake_set_params(i)) for i in range(fake.fake_sets())] == [(0x10, 0xABC), (0x20, 0xDEF)]
+fake.fake_reset()
+with pytest.raises(bcg.ReplayError, match=r"^cuGraphExecKernelNodeSetParams failed at step 1: CUDA_ERROR_INVALID_HANDLE"):
+    nat.Plan([0x10, (0x20, 0xDEAD, 0xDEF), 0x20]).replay(0, 0)
+assert launched() == [0x10]  # the launch after the failed step does not run
+for step in ((0x10, 0x5E1), (0x10, 0, 0xABC), (0x10, "node", 0xABC)):
+    with pytest.raises((TypeError, ValueError), match="parameter step|must be"):
+        nat.Plan([step])
+
 # launch errors name the step and the CUDA error; the steps after it do not run
 calls = []
 bad = nat.Plan([lambda: calls.append("a"), 0x10, 0, lambda: calls.append("b")])
@@ -559,6 +587,26 @@ assert info.value.__notes__ == [
     "bcg: segment 2 (plan step 3) failed to launch during a native replay; the steps before it ran "
     "and the ones after it did not"
 ]
+# a segment carrying staged values: its kernel nodes are set in its own executable before its launch
+class FakeStage:
+    def __init__(self, address, log):
+        self.params_address, self.log = address, log
+    def set_in(self, graph_exec, node):
+        self.log.append(("set", graph_exec, int(node)))
+
+class FakeBuffer:
+    def __init__(self, address, log):
+        self.stage = FakeStage(address, log)
+
+log = []
+staged = SegmentStep(index=0, cuda_graph=FakeGraph(0x400, log), nodes=2, kernel_nodes=2,
+                     staged=((0x5E1, FakeBuffer(0xAB0, log)), (0x5E2, FakeBuffer(0xAB8, log))))
+fake.fake_reset()
+replay_mod.make_executor([staged], "native").run()
+assert launched() == [0x5E1, 0x5E2, 0x400]
+assert [(fake.fake_set_exec(i), fake.fake_set_params(i)) for i in range(fake.fake_sets())][-2:] == [(0x400, 0xAB0), (0x400, 0xAB8)]
+replay_mod.make_executor([staged], "python").run()
+assert log == [("set", 0x400, 0x5E1), ("set", 0x400, 0x5E2), ("torch replay", 0x400, 3)], log
 print("FAKE DRIVER CHECKS OK")
 """
 

@@ -116,6 +116,60 @@ def test_replays_queued_behind_a_busy_gpu_read_their_own_values(executor: str) -
         assert torch.equal(a.cpu(), e)
 
 
+def test_small_values_travel_in_kernel_parameters_and_writes_never_wait_for_the_gpu() -> None:
+    """A buffer of at most ``PARAM_BYTES`` reaches the device in a kernel's parameters (set at each
+    replay, kept by launches already queued); larger ones by a captured copy. With only the former,
+    ``prepare``'s writes never wait for queued replays: the host queues them all while the GPU is
+    still busy with the work before them, and each replay reads its own values."""
+    from bcg.staged.kernel import PARAM_BYTES
+
+    sizes = [bcg.StagingBuffer(shape, dtype=dtype) for shape, dtype in SHAPES]
+    routes = [b.in_parameters for b in sizes]
+    assert routes == [b.device.numel() * b.device.element_size() <= PARAM_BYTES for b in sizes]
+    assert any(routes) and not all(routes)
+
+    buffers = [bcg.StagingBuffer(9, dtype=torch.int32), bcg.StagingBuffer((2, 3), dtype=torch.float16)]
+
+    def prepare(values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for buf, v in zip(buffers, values):
+            buf.write(v)
+        return tuple(buf.device for buf in buffers)
+
+    @bcg.breakpoint(name="read", mutates=("outs",), prepare=prepare, fits=lambda values: True)
+    def read(outs: list[torch.Tensor]) -> None:
+        for out, src in zip(outs, bcg.live()):
+            out.copy_(src)
+
+    outs = [torch.zeros(9, dtype=torch.int32, device="cuda"), torch.zeros(2, 3, dtype=torch.float16, device="cuda")]
+
+    def live() -> tuple[torch.Tensor, ...]:
+        return torch.randint(-2**31, 2**31 - 1, (9,), dtype=torch.int32), torch.randn(2, 3).half()
+
+    def forward(outs: list[torch.Tensor]) -> torch.Tensor:
+        read(outs)
+        return outs[0] + 0  # segment work after the staged step
+
+    graph = bcg.make_graph(forward, outs, live=live())
+    assert all(b.in_parameters for b in buffers)
+    acc = [[] for _ in outs]
+    expected = []
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # a few hundred ms of GPU work before every replay
+    busy = torch.cuda.Event()
+    busy.record()
+    for _ in range(12):
+        values = live()
+        graph.replay(values)
+        for a, out in zip(acc, outs):
+            a.append(out.clone())  # queued after the replay, before the next
+        expected.append(values)
+    assert not busy.query()  # the host never waited for the GPU
+    torch.cuda.synchronize()
+    for got, values in zip(zip(*acc), expected):
+        assert all(torch.equal(g.cpu(), v) for g, v in zip(got, values))
+    graph.reset()
+
+
 def test_a_node_group_holding_a_staged_copy_always_runs() -> None:
     # every replay's prepare writes the buffer the copy reads: a group holding it is never skipped
     rng = random.Random(15)

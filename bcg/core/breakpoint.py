@@ -277,6 +277,10 @@ class Recorder:
     def staging_point(self) -> None:
         """Called right before the recording's first staged copy (default: nothing)."""
 
+    def staged_node(self, node: Any, buffer: Any) -> None:
+        """A staged copy was captured as ``node``, a kernel whose parameters carry ``buffer``'s
+        value, which every replay sets (default: nothing; a capture keeps it with its segment)."""
+
     def run_breakpoint(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], live: Any = UNSET) -> Any:
         """``fn(*args, **kwargs)`` as breakpoint code: ``bcg.live()`` may be read inside
         (and returns ``live``, when given)."""

@@ -294,6 +294,47 @@ def copy_host_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
 
 
+def compile_cubin(source: str, name: str, arch: str, *options: str) -> bytes:
+    """Compile CUDA C++ ``source`` with NVRTC (``cuda.bindings.nvrtc``) for ``arch`` (``"sm_90"``);
+    raises ``RuntimeError`` with NVRTC's log when it fails."""
+    from cuda.bindings import nvrtc
+
+    def ok(result: Any) -> Any:
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {err!r}")
+        return rest[0] if rest else None
+
+    program = ok(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+    try:
+        flags = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
+        err, = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
+            ok(nvrtc.nvrtcGetProgramLog(program, log))
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {log.decode(errors='replace').strip()}")
+        image = b" " * ok(nvrtc.nvrtcGetCUBINSize(program))
+        ok(nvrtc.nvrtcGetCUBIN(program, image))
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def load_function(image: bytes, name: str) -> int:
+    """Load ``image`` (a cubin) into the current context; return its kernel ``name`` as a
+    ``CUfunction`` handle. The module is never unloaded: graphs captured with the kernel
+    launch it for as long as they live."""
+    module = _driver_call("cuModuleLoadData", image)
+    return int(_driver_call("cuModuleGetFunction", module, name.encode()))
+
+
+def launch_kernel(function: int, threads: int, stream: int, params: int) -> None:
+    """``cuLaunchKernel`` of ``function`` as one block of ``threads`` on ``stream`` (captured when
+    capturing), with ``params`` the address of its ``void*`` argument array."""
+    drv = driver()
+    _driver_call("cuLaunchKernel", drv.CUfunction(function), 1, 1, 1, threads, 1, 1, 0, stream, params, 0)
+
+
 def stream_create() -> int:
     """A new non-blocking stream on the current device (``cudaStreamCreateWithFlags``), never
     destroyed: unlike ``torch.cuda.Stream()``, which hands out one of a small pool of streams

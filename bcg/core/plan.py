@@ -53,27 +53,57 @@ class SegmentStep:
     #: why this segment skips groups by disabling their nodes (RNG, a refused trimmed build, or a
     #: breakable form: see ``BreakableGraph.add_form``); None: it trims
     in_place: str | None = None
+    #: ``(node, StagingBuffer)``: staging kernels whose parameters carry the buffer's value, set in
+    #: the executable before each launch (see :mod:`bcg.staged.kernel`)
+    staged: tuple[tuple[Any, Any], ...] = ()
+    #: the copies a trimmed executable of a segment with :attr:`staged` was built from (CUDA names
+    #: its nodes by them): labels -> ``(cudaGraph_t, the staged nodes in it)``
+    trimmed_graphs: dict[frozenset[str], tuple[int, tuple[Any, ...]]] = field(default_factory=dict, repr=False)
     _free: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.uses_rng:
             self.in_place = "it uses RNG: torch replays it"
         if self.cuda_graph is not None:  # freed when released or collected, never during a capture
-            self._free = on_release(self, functools.partial(_free_segment, self.cuda_graph, self.trimmed))
+            self._free = on_release(self, functools.partial(_free_segment, self.cuda_graph, self.trimmed,
+                                                            self.trimmed_graphs))
 
     @property
     def _trims(self) -> bool:
         return bool(self.skipped) and self.in_place is None
 
+    def _staged_now(self) -> list[tuple[Any, Any]]:
+        """:attr:`staged` with each node as the executable replays launch now names it."""
+        if self._trims and self.staged:
+            nodes = self.trimmed_graphs[self.skipped][1]
+            return [(node, buffer) for node, (_, buffer) in zip(nodes, self.staged)]
+        return list(self.staged)
+
     @property
     def launch(self) -> Callable[[], None]:
-        """The segment's launch on the current stream (its trimmed executable's, when it skips groups)."""
+        """The segment's launch on the current stream (its trimmed executable's, when it skips groups),
+        its staged values set first."""
         assert self.cuda_graph is not None
+        graph_exec, staged = self.exec_handle, self._staged_now()
+        run: Callable[[], None] = self.cuda_graph.replay
         if self._trims:
-            handle = self.trimmed[self.skipped]
             get_device, get_stream = stream_readers()
-            return lambda: cudart.launch(handle, get_stream(get_device()))
-        return self.cuda_graph.replay
+            run = lambda: cudart.launch(graph_exec, get_stream(get_device()))  # noqa: E731
+        if not staged:
+            return run
+
+        def launch() -> None:
+            for node, buffer in staged:
+                buffer.stage.set_in(graph_exec, node)
+            run()
+
+        return launch
+
+    def staged_updates(self) -> list[tuple[int, int, int]]:
+        """``(executable, node, parameters address)`` per staged value: what the native replay
+        sets before it launches the segment (see :attr:`staged`)."""
+        graph_exec = self.exec_handle
+        return [(graph_exec, int(node), buffer.stage.params_address) for node, buffer in self._staged_now()]
 
     def skip(self, labels: frozenset[str], stream: int) -> None:
         """Skip the node groups ``labels`` (those this segment has) in the replays that follow.
@@ -92,7 +122,11 @@ class SegmentStep:
         if self.in_place is None and labels and labels not in self.trimmed:
             drop = list({int(node): node for label in sorted(labels) for node in self.node_groups[label]}.values())
             try:
-                self.trimmed[labels] = trimmed_exec(self.graph_handle, drop, stream)
+                graph_exec, copy, kept = trimmed_exec(self.graph_handle, drop, stream,
+                                                      keep=[node for node, _ in self.staged])
+                self.trimmed[labels] = graph_exec
+                if copy:
+                    self.trimmed_graphs[labels] = (copy, kept)
             except RuntimeError as exc:  # a CUDA refusal (e.g. a node type cudaGraphClone does not copy)
                 log.warning("bcg: segment %d: no executable without %s (%s); its nodes are disabled instead",
                             self.index, sorted(labels), exc)
@@ -138,15 +172,19 @@ class SegmentStep:
         """Free the executables and the graph (now, or once no capture is underway)."""
         if self._free is not None:
             self._free()
-        self.trimmed, self.skipped = {}, frozenset()
+        self.trimmed, self.trimmed_graphs, self.skipped = {}, {}, frozenset()
         self.cuda_graph = None
 
 
-def _free_segment(graph: torch.cuda.CUDAGraph, trimmed: dict[frozenset[str], int]) -> None:
+def _free_segment(graph: torch.cuda.CUDAGraph, trimmed: dict[frozenset[str], int],
+                  trimmed_graphs: dict[frozenset[str], tuple[int, tuple[Any, ...]]]) -> None:
     """A segment's graph and trimmed executables (an executable still in flight is freed once done)."""
     for graph_exec in trimmed.values():
         cudart.exec_destroy(graph_exec)
     trimmed.clear()
+    for copy, _ in trimmed_graphs.values():
+        cudart.graph_destroy(copy)
+    trimmed_graphs.clear()
     graph.reset()
 
 

@@ -93,6 +93,7 @@ class NativeExecutor:
             elif step.uses_rng:
                 steps.append(step.launch)
             else:
+                steps.extend(step.staged_updates())
                 steps.append(step.exec_handle)
         self._native = native.module().Plan(steps)
         self._replay: Callable[..., None] = self._native.replay

@@ -153,6 +153,7 @@ class CaptureSession(Recorder):
         self._breakpoint_index = 0
         self._generator = torch.cuda.default_generators[device]
         self._group_nodes: dict[str, list[Any]] = {}  # the open segment's node groups' nodes, per label
+        self._staged_nodes: list[tuple[Any, Any]] = []  # the open segment's (node, StagingBuffer) pairs
         self.always_run: set[str] = set()  # labels with a block that cannot be switched off
         self.stage_at: int | None = None  # the plan index the staged copies start at (see staging_point)
         self.broken: str | None = None  # a breakpoint raised: the capture is abandoned, even if that was caught
@@ -174,6 +175,7 @@ class CaptureSession(Recorder):
         _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
         self._current = graph
         self._group_nodes = {}
+        self._staged_nodes = []
 
     def close_segment(self, before: str = "the end of the capture", run: bool = True) -> None:
         """End the open segment; keep it (instantiated, uploaded, run once unless ``run`` is
@@ -214,6 +216,7 @@ class CaptureSession(Recorder):
             kernel_nodes=counts["kernel"],
             uses_rng=self._generator.get_offset() != offset,
             node_groups={label: tuple(group) for label, group in self._group_nodes.items()},
+            staged=tuple(self._staged_nodes),
         )
         self._segment_index += 1
         self.plan.append(step)
@@ -319,6 +322,9 @@ class CaptureSession(Recorder):
         if self._after_breakpoint is not None:
             self._after_breakpoint(crossing_tensors(tensor_leaves(result), spec, args, kwargs))
         return result
+
+    def staged_node(self, node: Any, buffer: Any) -> None:
+        self._staged_nodes.append((node, buffer))
 
     def _abandoned(self) -> CaptureError:
         """The error for a capture a breakpoint's exception abandoned inside the block."""

@@ -47,20 +47,28 @@ def bypass_edges(edges: Iterable[tuple[int, int]], gone: Iterable[int]) -> list[
     return [(a, b) for a, bs in succs.items() for b in bs if (a, b) not in original]
 
 
-def trimmed_exec(graph: int, drop: Sequence[Any], stream: int) -> int:
+def trimmed_exec(graph: int, drop: Sequence[Any], stream: int,
+                 keep: Sequence[Any] = ()) -> tuple[int, int, tuple[Any, ...]]:
     """An executable of ``graph`` without the nodes ``drop``, uploaded on ``stream``.
 
     Arguments:
         graph: the segment's ``cudaGraph_t`` (left unchanged: a copy is edited).
         drop: nodes of ``graph`` (kernel, memcpy or memset nodes).
         stream: the raw stream to upload on (the one replays will use).
+        keep: nodes of ``graph`` whose parameters will be set in the executable (staging kernels):
+            the copy is then kept, since CUDA names a node of an executable by the graph it was
+            instantiated from.
 
-    Returns the ``cudaGraphExec_t``; the caller destroys it (``cudart.exec_destroy``).
+    Returns ``(executable, copy, kept)``: the ``cudaGraphExec_t``, the edited copy's ``cudaGraph_t``
+    (0 when ``keep`` is empty: destroyed) and ``keep``'s nodes in it. The caller destroys both
+    (``cudart.exec_destroy``, ``cudart.graph_destroy``).
     """
     t0 = time.perf_counter()
     clone = cudart.graph_clone(graph)
+    kept: tuple[Any, ...] = ()
     try:
         gone = [cudart.find_in_clone(node, clone) for node in drop]
+        kept = tuple(cudart.find_in_clone(node, clone) for node in keep)
         nodes: dict[int, Any] = {}
         edges = []
         for a, b in cudart.graph_edges(clone):
@@ -71,13 +79,19 @@ def trimmed_exec(graph: int, drop: Sequence[Any], stream: int) -> int:
             cudart.destroy_node(node)
         cudart.add_edges(clone, [(nodes[a], nodes[b]) for a, b in joined])
         graph_exec = cudart.instantiate(clone)
-    finally:
+    except BaseException:
+        cudart.graph_destroy(clone)
+        raise
+    if not keep:
         cudart.graph_destroy(clone)  # the executable does not need it
+        clone = 0
     try:
         cudart.upload(graph_exec, stream)
     except BaseException:
         cudart.exec_destroy(graph_exec)
+        if clone:
+            cudart.graph_destroy(clone)
         raise
     log.debug("bcg: trimmed executable without %d node(s), %d edge(s) joined, %.1f ms",
               len(gone), len(joined), (time.perf_counter() - t0) * 1e3)
-    return graph_exec
+    return graph_exec, clone, kept

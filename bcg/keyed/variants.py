@@ -374,6 +374,9 @@ class VariantCache:
         for s in self._plan:
             if isinstance(s, SegmentStep) and s.uses_rng:
                 return f"segment {s.index} draws random numbers (its replay must advance torch's generator)"
+            if isinstance(s, SegmentStep) and s.staged:
+                return (f"segment {s.index} carries staged values in kernel parameters, which each replay "
+                        "sets in the segment's own executable")
             if isinstance(s, BreakpointStep) and s.spec.key is None:
                 return f"breakpoint {s.name!r} has no key= (it runs eagerly at every replay)"
         return None

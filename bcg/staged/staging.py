@@ -33,12 +33,13 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
 * Outside bcg (plain eager calls) the function runs with the real metadata;
   ``prepare`` and ``fits`` are not called.
 
-Each captured copy records an event after it; :meth:`StagingBuffer.write`
-first waits until the previous replay's copy has run, so a replay queued
-behind others never reads a value meant for a later one (the host blocks only
-when the queue is so deep that the previous replay's copy has not run yet).
-One replay at a time per buffer, from one thread (as :class:`bcg.GraphRunner`
-serializes its calls).
+A small buffer's value travels in a kernel's parameters, which each replay
+sets before its launch and a queued launch keeps (:mod:`bcg.staged.kernel`).
+A large buffer's captured copy records an event after it, and
+:meth:`StagingBuffer.write` first waits until the previous replay's copy has
+run. Either way a replay queued behind others never reads a value meant for a
+later one. One replay at a time per buffer, from one thread (as
+:class:`bcg.GraphRunner` serializes its calls).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -56,6 +58,7 @@ import torch
 from bcg.core import cudart
 from bcg.core.args import check_int, fail, is_int
 from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, Recorder, live
+from bcg.staged.kernel import PARAM_BYTES, StageLaunch, stage_kernel, words_of
 from bcg.errors import CaptureError
 
 log = logging.getLogger("bcg")
@@ -86,9 +89,16 @@ class StagingBuffer:
     hold) or ``ValueError`` (a negative size, a device torch does not know).
 
     ``device`` is the tensor kernels read (its address never changes); ``host``
-    is pinned host memory that :meth:`write` fills. Integer, bool and
+    is the host memory that :meth:`write` fills. Integer, bool and
     float16/32/64 dtypes (the host side is written with one precompiled
     ``struct`` pack: values must be numbers of the dtype's kind, in range).
+
+    A CUDA buffer of at most ``bcg.staged.kernel.PARAM_BYTES`` (4,088) bytes reaches
+    the device in a kernel's parameters (:attr:`in_parameters`): every replay sets
+    them to the host value after ``prepare``, launches already queued keep theirs,
+    and :meth:`write` never waits for the GPU. A larger one (or where the kernel
+    cannot be built) is a captured copy from pinned host memory, and :meth:`write`
+    first waits until the previous replay's copy ran.
 
     .. warning::
         Write it only from a ``prepare`` function: bcg uploads what ``prepare``
@@ -99,17 +109,36 @@ class StagingBuffer:
         device = _check_arguments(shape, dtype, device)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
-        cuda = self._device_tensor.device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        device = torch.device(device)
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        function = None
+        if device.type == "cuda" and 0 < nbytes <= PARAM_BYTES:
+            function = stage_kernel(device.index if device.index is not None else torch.cuda.current_device(),
+                                    words_of(nbytes))
+        self._stage: StageLaunch | None = None
+        if function is not None:
+            # the value travels in the staging kernel's parameters (bcg.staged.kernel): both sides
+            # hold whole 8-byte words, and the host side needs no pinning
+            words = words_of(nbytes)
+            device_words = torch.zeros(words * 8, dtype=torch.uint8, device=device)
+            host_words = torch.zeros(words * 8, dtype=torch.uint8)
+            self._device_tensor = device_words[:nbytes].view(dtype).view(shape)
+            self.host = host_words[:nbytes].view(dtype).view(shape)
+            self._stage = StageLaunch(function, words, device_words.data_ptr(), host_words.data_ptr())
+        else:
+            self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
+            self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        cuda = device.type == "cuda"
         self._numel = self.host.numel()
         # One C call writes every value (a NumPy slice assignment runs its array
         # coercion, several times the host code, at every replay).
         self._pack = struct.Struct(f"={self._numel}{_STRUCT_CODES[dtype]}").pack_into
         self._host_buffer = self.host.numpy().reshape(-1)
         # Recorded after each copy of the host value (an eager upload, or a captured copy at every
-        # replay): write() waits for it, so a value is never overwritten before it was copied.
-        self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda else None
+        # replay): write() waits for it, so a value is never overwritten before it was copied. (A
+        # value carried in the kernel's parameters is copied by CUDA when it is set: no event.)
+        self._read: torch.cuda.Event | None = torch.cuda.Event(external=True) if cuda and self._stage is None else None
         self._read_pending = False  # an eager upload recorded _read and write() has not seen it done
         self._read_in_graph = False  # a captured copy records _read at every replay
 
@@ -118,10 +147,22 @@ class StagingBuffer:
         """The device tensor the captured kernels read."""
         return self._device_tensor
 
+    @property
+    def in_parameters(self) -> bool:
+        """Whether the value reaches the device in a kernel's parameters (a CUDA buffer of at most
+        ``bcg.staged.kernel.PARAM_BYTES`` bytes where the staging kernel builds), rather than by a
+        captured copy from pinned memory."""
+        return self._stage is not None
+
+    @property
+    def stage(self) -> StageLaunch | None:
+        """The staging kernel's launch (None: the value is copied): the replay sets its node."""
+        return self._stage
+
     def write(self, values: Sequence[Any] | torch.Tensor | np.ndarray) -> None:
         """Write ``values`` (as many numbers as the buffer holds: host numbers, a CPU tensor or a
-        NumPy array) into the pinned host copy, once the previous value was copied to the device.
-        An array or CPU tensor of the buffer's dtype is copied in one memcpy (the fast route for
+        NumPy array) into the host copy (for a copied buffer, once the previous value was copied
+        to the device). An array or CPU tensor of the buffer's dtype is copied in one memcpy (the fast route for
         large metadata, such as block tables); numbers, and arrays of another dtype, are packed
         and range-checked."""
         written = _WRITTEN.get()  # set while bcg records (a capture, an eager run); None at replay
@@ -161,22 +202,29 @@ class StagingBuffer:
         if written is not None and self not in written:
             written.append(self)
 
-    def upload(self) -> None:
+    def upload(self) -> Any:
         """Copy the host value to the device on the current stream (captured when capturing:
-        then every replay copies the value the host wrote last)."""
+        then every replay copies the value the host wrote last). Returns the captured staging
+        kernel's node when the value travels in its parameters and the stream captures (the
+        replay sets its parameters before each launch), else None."""
+        if self._stage is not None:
+            stream = torch.cuda.current_stream(self._device_tensor.device).cuda_stream
+            self._stage.launch(stream)
+            return self._stage.captured_node(stream) if torch.cuda.is_current_stream_capturing() else None
         if self._read is None:
             self._device_tensor.copy_(self.host)
-            return
+            return None
         stream = torch.cuda.current_stream(self._device_tensor.device)
         if not torch.cuda.is_current_stream_capturing():
             self._device_tensor.copy_(self.host, non_blocking=True)
             self._read.record(stream)
             self._read_pending = True
-            return
+            return None
         nbytes = self.host.numel() * self.host.element_size()
         cudart.copy_host_to_device(self._device_tensor.data_ptr(), self.host.data_ptr(), nbytes, stream.cuda_stream)
         self._read.record(stream)
         self._read_in_graph = True
+        return None
 
 
 def _check_arguments(shape: Any, dtype: Any, device: Any) -> torch.device | None:
@@ -353,7 +401,9 @@ class StagedBreakpoints:
                     "object), or give each its own buffer"
                 )
             self._buffers[buf] = spec.name
-            buf.upload()
+            node = buf.upload()
+            if node is not None:
+                recorder.staged_node(node, buf)
 
 
 class StagedTiers(tuple):  # type: ignore[type-arg]
