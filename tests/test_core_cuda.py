@@ -880,6 +880,29 @@ def test_capturing_into_a_pool_whose_graphs_were_reset_while_its_tensors_live_fa
     del out
 
 
+def test_a_breakpoint_reached_on_a_side_stream_inside_a_capture_says_to_join_it() -> None:
+    """A segment must end on the stream it began on: a breakpoint called inside
+    ``with torch.cuda.stream(side)`` gets bcg's StreamForkError naming the fix, not torch's
+    capture_end message, and CUDA state stays clean."""
+
+    @bcg.breakpoint
+    def bump(t: torch.Tensor) -> None:
+        t.add_(1)
+
+    graph = bcg.BreakableGraph()
+    stream = torch.cuda.Stream()
+    side = torch.cuda.Stream()
+    x = torch.randn(16, device="cuda")
+    with pytest.raises(bcg.errors.StreamForkError, match="wait_stream"):
+        with bcg.capture(graph, stream=stream):
+            y = x * 2
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                bump(y + 1)
+    assert not graph.is_captured
+    _assert_clean(stream)
+
+
 def test_breakpoint_raising_during_replay_leaves_graph_replayable() -> None:
     @bcg.breakpoint
     def flaky(t: torch.Tensor) -> None:

@@ -140,6 +140,44 @@ def test_stitched_replays_equal_piecewise_replays() -> None:
     piecewise.reset()
 
 
+def test_a_keyed_graph_with_a_staged_value_in_kernel_parameters_replays_piecewise_and_equals_eager() -> None:
+    """A staged breakpoint whose small value travels in a kernel's parameters, before a keyed one:
+    each replay sets the value in the segment's own executable, so the graph is not stitched into
+    one launch, and every replay (new keys and repeats) equals eager."""
+    shift = bcg.StagingBuffer(1, dtype=torch.float32)
+    assert shift.in_parameters
+
+    def prepare(meta: Meta) -> torch.Tensor:
+        shift.write([float(len(meta.lengths))])
+        return shift.device
+
+    @bcg.breakpoint(name="shift", mutates=("t",), prepare=prepare, fits=lambda meta: True)
+    def add_shift(t: torch.Tensor) -> None:
+        v = bcg.live()  # inline: the device buffer; eagerly: the metadata
+        t.add_(v if isinstance(v, torch.Tensor) else float(len(v.lengths)))
+
+    inner = Model(attention)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        add_shift(h)
+        return inner(h)
+
+    rng = random.Random(3)
+    x = torch.randn(T, HIDDEN, device="cuda")
+    graph = bcg.make_graph(model, x, live=Meta((T,)))
+    tuples = [random_lengths(rng) for _ in range(3)]
+    for i in range(12):
+        meta = Meta(tuples[i % 3])
+        x.copy_(torch.randn(T, HIDDEN, device="cuda"))
+        want = eager(model, x.clone(), meta)
+        assert torch.equal(graph.replay(live=meta), want), i
+    st = graph.stats().keyed["inline"]  # (the staged graph's first form; every replay fits it)
+    assert st["stitched_replays"] == 0 and "kernel parameters" in st["stitch_blocker"]
+    assert st["breakpoints"]["unfused"]["hits"] > 0
+    graph.reset()
+
+
 def test_segments_that_draw_random_numbers_are_not_stitched_and_match_eager() -> None:
     model = Model(attention, dropout=0.5)
     x = torch.randn(T, HIDDEN, device="cuda")

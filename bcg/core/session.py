@@ -183,6 +183,14 @@ class CaptureSession(Recorder):
         graph = self._current
         if graph is None or self.broken is not None:
             raise self._abandoned()
+        current = torch.cuda.current_stream(self.device)
+        if current != self.stream:  # (torch's capture_end would refuse: it must end where it began)
+            raise StreamForkError(
+                f"{before} was reached while the current stream is {current}, not the capture stream "
+                f"{self.stream}: a segment ends on the stream it began on. Join the side stream "
+                "(torch.cuda.current_stream().wait_stream(side) after its `with torch.cuda.stream(side)` "
+                "block) and reach the breakpoint on the capture stream"
+            )
         joined = cudart.join_forked_work(self.stream_handle)
         if joined:
             self.forks.append(_Fork(self._segment_index, before, joined))
@@ -366,6 +374,8 @@ class CaptureSession(Recorder):
         """Leave CUDA clean: no stream capturing, pool references dropped, segments freed."""
         graph, self._current = self._current, None
         if graph is not None:
+            with contextlib.suppress(Exception):  # side-stream work left unjoined would fail capture_end
+                cudart.join_forked_work(self.stream_handle)
             unwind_capture(graph, self.stream, self.device, self.pool)
             graph.reset()
         for step in self.plan:

@@ -65,7 +65,6 @@ def trimmed_exec(graph: int, drop: Sequence[Any], stream: int,
     """
     t0 = time.perf_counter()
     clone = cudart.graph_clone(graph)
-    kept: tuple[Any, ...] = ()
     try:
         gone = [cudart.find_in_clone(node, clone) for node in drop]
         kept = tuple(cudart.find_in_clone(node, clone) for node in keep)
