@@ -9,7 +9,10 @@
  *   - a call: a tuple (fn, args, kwargs, on_result, always): fn(*args, **kwargs)
  *     is called straight from C (a breakpoint, no wrapper frame); then
  *     on_result(result) when on_result is not None and the result is not None
- *     or `always` is true (bcg refreshes a breakpoint's bridges this way).
+ *     or `always` is true (bcg refreshes a breakpoint's bridges this way), or
+ *   - a parameter step: a tuple (exec, node, params) of ints: the kernel node's
+ *     parameters in that executable are set with cuGraphExecKernelNodeSetParams
+ *     (a staged value, before the launch that reads it; queued launches keep theirs).
  *
  * Plan(steps) converts the tuple to a C array once; Plan.replay(stream, device)
  * walks it. The GIL is released around each run of consecutive launches (a
@@ -490,7 +493,7 @@ plan_run(PlanObject *self, CUstream stream, int device, int checked)
     }
     if (self->sets > 0 && drv.ExecKernelNodeSetParams == NULL) {
         raise_replay_error("the loaded libcuda.so.1 has no cuGraphExecKernelNodeSetParams (the driver is too "
-                           "old) to set a staged value; set BCG_NATIVE=0 to replay with the Python executor",
+                           "old) to set a staged value carried in kernel parameters; update the NVIDIA driver",
                            -1, NULL);
         return -1;
     }
@@ -584,7 +587,7 @@ Plan_upload(PlanObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < self->n; i++) {
-        if (self->entries[i].fn == NULL) {
+        if (self->entries[i].fn == NULL && self->entries[i].node == NULL) {
             CUresult r = drv.GraphUpload(self->entries[i].exec, stream);
             if (r != BCG_CUDA_SUCCESS) {
                 raise_cuda_error("cuGraphUpload", i, r);
@@ -624,8 +627,8 @@ Plan_len(PlanObject *self)
 static PyObject *
 Plan_repr(PlanObject *self)
 {
-    return PyUnicode_FromFormat("<bcg._native.Plan: %zd steps, %zd graph launches, %zd calls>",
-                                self->n, self->launches, self->n - self->launches);
+    return PyUnicode_FromFormat("<bcg._native.Plan: %zd steps, %zd graph launches, %zd parameter sets, %zd calls>",
+                                self->n, self->launches, self->sets, self->n - self->launches - self->sets);
 }
 
 static PyMethodDef Plan_methods[] = {
@@ -651,9 +654,11 @@ PyDoc_STRVAR(Plan_doc,
 "Plan(steps)\n--\n\n"
 "A replay plan converted once to a C array. Each step is an int (a\n"
 "``cudaGraphExec_t`` handle, launched with ``cuGraphLaunch``), a callable\n"
-"taking no arguments, or a call ``(fn, args, kwargs, on_result, always)``:\n"
+"taking no arguments, a call ``(fn, args, kwargs, on_result, always)``:\n"
 "``fn(*args, **kwargs)``, then ``on_result(result)`` if ``on_result`` is not\n"
-"None and the result is not None or ``always``. The plan keeps the callables\n"
+"None and the result is not None or ``always``, or a parameter step\n"
+"``(exec, node, params)`` of ints: ``cuGraphExecKernelNodeSetParams`` with the\n"
+"address of a ``CUDA_KERNEL_NODE_PARAMS``, which the caller keeps alive. The plan keeps the callables\n"
 "and arguments alive; keeping the graphs behind the handles alive is the\n"
 "caller's job.");
 

@@ -607,6 +607,32 @@ assert launched() == [0x5E1, 0x5E2, 0x400]
 assert [(fake.fake_set_exec(i), fake.fake_set_params(i)) for i in range(fake.fake_sets())][-2:] == [(0x400, 0xAB0), (0x400, 0xAB8)]
 replay_mod.make_executor([staged], "python").run()
 assert log == [("set", 0x400, 0x5E1), ("set", 0x400, 0x5E2), ("torch replay", 0x400, 3)], log
+
+# a failure after a segment with parameter steps is named by its plan step, as the Python executor names it
+def boom():
+    raise ValueError("boom")
+
+plan = [
+    SegmentStep(index=0, cuda_graph=FakeGraph(0x500, log), nodes=3, kernel_nodes=3,
+                staged=((0x5E1, FakeBuffer(0xAB0, log)), (0x5E2, FakeBuffer(0xAB8, log)))),
+    BreakpointStep(spec=BreakpointSpec(fn=boom, name="a"), args=(), kwargs={}),
+    SegmentStep(index=1, cuda_graph=FakeGraph(0x600, log), nodes=1, kernel_nodes=1),
+    BreakpointStep(spec=BreakpointSpec(fn=lambda: None, name="b"), args=(), kwargs={}),
+]
+notes = {}
+for name in ("native", "python"):
+    with pytest.raises(ValueError) as info:
+        replay_mod.make_executor(plan, name).run()
+    notes[name] = info.value.__notes__
+assert notes["native"] == notes["python"] and "'a'" in notes["native"][0], notes
+plan[2] = SegmentStep(index=1, cuda_graph=FakeGraph(0, log), nodes=1, kernel_nodes=1)
+plan[1] = BreakpointStep(spec=BreakpointSpec(fn=lambda: None, name="a"), args=(), kwargs={})
+with pytest.raises(bcg.ReplayError) as info:
+    replay_mod.make_executor(plan, "native").run()
+assert info.value.__notes__ == [
+    "bcg: segment 1 (plan step 2) failed to launch during a native replay; the steps before it ran "
+    "and the ones after it did not"
+], info.value.__notes__
 print("FAKE DRIVER CHECKS OK")
 """
 

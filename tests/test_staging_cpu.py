@@ -294,3 +294,25 @@ def test_metadata_that_does_not_fit_when_recorded_records_a_breakpoint(caplog: p
             expected = fn(x)
         torch.testing.assert_close(graph.replay(lengths), expected)
     assert staging.prepared == []
+
+
+def test_a_staging_kernel_that_cannot_be_built_is_tried_and_logged_once_per_device(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot be built (here NVRTC refuses; on a CPU build, CUDA is missing), each
+    size falls back to the copy, and the device is tried and the reason logged once."""
+    from bcg.core import cudart
+    from bcg.staged import kernel
+
+    def refuse(*args: object, **kwargs: object) -> bytes:
+        raise RuntimeError("no NVRTC here")
+
+    monkeypatch.setattr(cudart, "compile_cubin", refuse)
+    monkeypatch.setattr(kernel, "_UNBUILDABLE", {})
+    kernel.stage_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="bcg"):
+            assert kernel.stage_kernel(0, 1) is None and kernel.stage_kernel(0, 2) is None
+    finally:
+        kernel.stage_kernel.cache_clear()
+    assert len([r for r in caplog.records if "staging kernel cannot be built" in r.getMessage()]) == 1
+

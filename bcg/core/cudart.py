@@ -261,13 +261,23 @@ def _driver_call(name: str, *args: Any) -> Any:
     result = fn(*args)
     err = result[0] if isinstance(result, tuple) else result
     if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        rt = runtime()
-        check(rt.cudaSetDevice(check(rt.cudaGetDevice())))
+        make_context_current()
         result = fn(*args)
         err = result[0] if isinstance(result, tuple) else result
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{name} failed: {err!r}")
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+def make_context_current() -> None:
+    """Make the current device's primary context current on this thread, as the runtime would
+    (a thread whose first CUDA call is a driver call has none)."""
+    rt = runtime()
+    check(rt.cudaSetDevice(check(rt.cudaGetDevice())))
+
+
+#: ``CUDA_ERROR_INVALID_CONTEXT``: a driver call on a thread with no current context
+INVALID_CONTEXT = 201
 
 
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:

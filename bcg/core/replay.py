@@ -87,7 +87,8 @@ class NativeExecutor:
     def __init__(self, plan: Sequence[Step]) -> None:
         self._plan = tuple(plan)
         steps: list[Any] = []
-        for step in self._plan:
+        self._plan_index: list[int] = []  # each C step's plan step (a segment's parameter steps are its own)
+        for i, step in enumerate(self._plan):
             if isinstance(step, BreakpointStep):
                 steps.append(step.call())
             elif step.uses_rng:
@@ -95,6 +96,7 @@ class NativeExecutor:
             else:
                 steps.extend(step.staged_updates())
                 steps.append(step.exec_handle)
+            self._plan_index.extend([i] * (len(steps) - len(self._plan_index)))
         self._native = native.module().Plan(steps)
         self._replay: Callable[..., None] = self._native.replay
         self._get_device: Callable[[], int] | None = None
@@ -136,8 +138,9 @@ class NativeExecutor:
 
     def annotate(self, exc: BaseException) -> None:
         """Add a note to ``exc``, raised by the last replay, naming the step that failed."""
-        i = self._native.failed_step
-        step = self._plan[i] if 0 <= i < len(self._plan) else None
+        failed = self._native.failed_step
+        i = self._plan_index[failed] if 0 <= failed < len(self._plan_index) else -1
+        step = self._plan[i] if i >= 0 else None
         if isinstance(step, BreakpointStep):
             add_note(exc, _breakpoint_note(step))
         elif isinstance(step, SegmentStep) and getattr(exc, "cuda_error", None) is not None:

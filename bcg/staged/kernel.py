@@ -13,8 +13,9 @@ costs each launch more host time and the GPU more latency (benchmarks/results/HI
 launched with the value at once.
 
 The kernel is compiled with NVRTC (cuda-python) once per process, device and
-size. Where it cannot be (no NVRTC library, a GPU older than sm_70), :func:`stage_kernel`
-returns ``None``, logs why once, and the buffer takes the captured copy instead.
+size. Where it cannot be (no NVRTC library, a GPU older than sm_70, a driver without
+``cuGraphExecKernelNodeSetParams``), :func:`stage_kernel` returns ``None``, logs why
+once per device, and the buffer takes the captured copy instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 from bcg.core import cudart
+from bcg.errors import ReplayError
 
 log = logging.getLogger("bcg")
 
@@ -67,16 +69,24 @@ def words_of(nbytes: int) -> int:
     return max(1, -(-nbytes // 8))
 
 
+# Devices where the kernel cannot be built, and why (process-wide, as the kernels cached per size
+# are): every size fails there alike, so it is tried and logged once per device.
+_UNBUILDABLE: dict[int, str] = {}
+
+
 @functools.cache
 def stage_kernel(device: int, words: int) -> int | None:
     """The staging kernel for ``words`` 8-byte words on CUDA device ``device`` (a ``CUfunction``
     handle), or None (logged once per device) where it cannot be built."""
     import torch
 
+    if device in _UNBUILDABLE:
+        return None
     try:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 7:
             raise RuntimeError(f"the GPU is sm_{major}{minor}; the kernel needs sm_70 or newer")
+        _set_params()  # (a driver without it could not set the value at replay)
         start = time.perf_counter()
         source = _SOURCE.replace("{words}", str(words))
         image = cudart.compile_cubin(source, "bcg_stage.cu", f"sm_{major}{minor}")
@@ -85,16 +95,12 @@ def stage_kernel(device: int, words: int) -> int | None:
         log.debug("bcg: built the staging kernel for %d words on sm_%d%d in %.0f ms", words, major, minor,
                   (time.perf_counter() - start) * 1e3)
         return function
-    except Exception as exc:  # no NVRTC library, an architecture it does not know, ...
-        _cannot_build(device, exc)
+    except Exception as exc:  # no NVRTC library, an architecture it does not know, an old driver, ...
+        _UNBUILDABLE[device] = f"{type(exc).__name__}: {exc}"
+        log.warning("bcg: the staging kernel cannot be built on cuda:%d (%s): small StagingBuffers take the "
+                    "captured copy from pinned memory instead, which costs each replay more host and GPU time",
+                    device, _UNBUILDABLE[device])
         return None
-
-
-@functools.cache
-def _cannot_build(device: int, exc: Exception) -> None:
-    log.warning("bcg: the staging kernel cannot be built on cuda:%d (%s: %s): small StagingBuffers take "
-                "the captured copy from pinned memory instead, which costs each replay more host and GPU time",
-                device, type(exc).__name__, exc)
 
 
 class StageLaunch:
@@ -131,5 +137,9 @@ class StageLaunch:
     def set_in(self, graph_exec: int, node: Any) -> None:
         """Set ``node`` of ``graph_exec`` to launch with the host value now (launches queued before keep theirs)."""
         err = _set_params()(graph_exec, int(node), self.params_address)
+        if err == cudart.INVALID_CONTEXT:  # a thread whose first CUDA call this is
+            cudart.make_context_current()
+            err = _set_params()(graph_exec, int(node), self.params_address)
         if err != 0:
-            raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed: CUDA error {err}")
+            raise ReplayError(f"cuGraphExecKernelNodeSetParams failed: CUDA error {err} (a staged value was "
+                              "not set; the segment was not launched)")

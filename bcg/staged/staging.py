@@ -18,14 +18,15 @@ A breakpoint declared with ``@bcg.breakpoint(prepare=..., fits=...)`` is
   the buffers' device tensors and the static bounds (say, ``max_seqlen`` = the
   bucket size). It must not launch work or synchronize.
 * At capture, bcg calls ``prepare`` with the capture's live metadata, captures
-  the copies of the buffers it wrote (pinned host to device) into the segment,
+  the copies of the buffers it wrote into the segment (a staging kernel whose
+  parameters carry a small buffer's value, or a copy from pinned host memory),
   and runs the breakpoint's function inline: its kernels are recorded in the
   segment, reading the device buffers. What ``prepare`` returned at capture is
   frozen into the graph.
 * At replay, bcg asks ``fits(live)``; if every staged breakpoint fits, it
   calls each distinct ``prepare`` once (breakpoints sharing one ``prepare``
   function share its buffers: stage once per forward, not per layer) and
-  launches the graph, which copies the buffers in (``make_graph`` and the
+  launches the graph, which carries the buffers in (``make_graph`` and the
   runner launch the work before the first staged copy first, see
   :meth:`bcg.core.session.CaptureSession.staging_point`). Otherwise it replays the graph's
   breakable form, where the function runs eagerly and ``bcg.live()`` is the
@@ -208,7 +209,12 @@ class StagingBuffer:
         kernel's node when the value travels in its parameters and the stream captures (the
         replay sets its parameters before each launch), else None."""
         if self._stage is not None:
-            stream = torch.cuda.current_stream(self._device_tensor.device).cuda_stream
+            device = self._device_tensor.device
+            stream = torch.cuda.current_stream(device).cuda_stream
+            if device.index != torch.cuda.current_device():  # (the launch runs in the current device's context)
+                with torch.cuda.device(device):
+                    self._stage.launch(stream)
+                return None  # (a capture runs on the current device: an upload to another is not captured)
             self._stage.launch(stream)
             return self._stage.captured_node(stream) if torch.cuda.is_current_stream_capturing() else None
         if self._read is None:
