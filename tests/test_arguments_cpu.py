@@ -328,6 +328,24 @@ def test_capture_takes_torch_cuda_graphs_leading_arguments_in_its_order() -> Non
         bcg.capture(_G(), None, None, "loud")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: a CUDA device is valid")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), 0], ids=["str", "str-index", "device", "index"])
+def test_a_cuda_staging_buffer_without_cuda_names_the_device_argument(device: Any) -> None:
+    """Code ported from a GPU machine: ``device="cuda"`` without CUDA is a ValueError naming the
+    argument and the fix, not torch's bare assertion."""
+    with pytest.raises(ValueError, match=r"bcg.StagingBuffer: device must be .*omit device="):
+        bcg.StagingBuffer(4, device=device)
+
+
+def test_a_graph_asked_of_an_eager_runner_says_why_there_is_none() -> None:
+    runner = _runner(f, [4, 8], mode="eager")
+    runner.capture()
+    with pytest.raises(KeyError, match="eager mode"):
+        runner.graph(8)
+    with pytest.raises(KeyError, match="not a bucket"):
+        _runner(f, [4], mode="graph" if torch.cuda.is_available() else "eager").graph(5)
+
+
 def test_describe_says_what_a_value_is() -> None:
     assert args.describe(None) == "None"
     assert args.describe(42) == "42 (int)"

@@ -463,7 +463,7 @@ class Capture:
             raise CaptureError(
                 "bcg.capture needs a CUDA GPU and a CUDA build of torch; none is available. "
                 "To run the same code with the same breakpoint structure eagerly, use "
-                "bcg.make_graph(fn, *args, mode='eager')"
+                "bcg.make_graph(fn, *args, mode='eager')."
             )
         if ACTIVE.get() is not None or torch.cuda.is_current_stream_capturing():
             raise NestedCaptureError(

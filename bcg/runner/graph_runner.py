@@ -450,7 +450,11 @@ class GraphRunner:
         """The captured graph of ``bucket`` (graph mode)."""
         b = self._ladder.buckets.get(bucket)
         if b is None or b.graph is None:
-            raise KeyError(f"no captured graph for bucket {bucket}")
+            why = (f"it is not a bucket of {self._ladder.sizes}" if b is None
+                   else "this runner runs in eager mode (no CUDA, or mode='eager'): graphs need mode='graph' on a GPU"
+                   if self.mode == "eager"
+                   else "it is not captured (yet, or its capture failed: see stats()['failed_buckets'])")
+            raise KeyError(f"GraphRunner({self.name}): no captured graph for bucket {bucket}: {why}")
         return b.graph
 
     def input_buffers(self, T: int) -> tuple[Any, ...]:

@@ -251,11 +251,15 @@ def _check_arguments(shape: Any, dtype: Any, device: Any) -> torch.device | None
         return None
     if not isinstance(device, (str, torch.device)) and not is_int(device):
         fail(where, "device", "None, a torch.device, a str such as 'cuda:0', or a CUDA device index", device)
+    hint = "CUDA is not available here: omit device= (without CUDA the buffer lives on the CPU)"
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         fail(where, "device", "None, a torch.device, a str such as 'cuda:0', or a CUDA device index", device,
-             error=ValueError)
+             hint if is_int(device) and not torch.cuda.is_available() else "", error=ValueError)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        fail(where, "device", "a device this machine has", device, hint, error=ValueError)
+    return resolved
 
 
 @contextlib.contextmanager
