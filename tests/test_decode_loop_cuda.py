@@ -18,7 +18,7 @@ import torch
 
 import bcg
 from bcg.bench import cli
-from bcg.staged.kernel import PARAM_BYTES, StageLaunch
+from bcg.staged.kernel import StageLaunch, param_bytes
 from bcg.bench.case import DecodeLoop, eager_step
 from bcg.bench.modes import MODES
 from bcg.bench.registry import BuildContext
@@ -31,8 +31,8 @@ if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machine
 
 ROWS, HIDDEN, STEPS = 8, 16, 32
 #: buffer sizes (float32 values) for each route: ROWS values travel in kernel parameters, more
-#: than ``PARAM_BYTES`` bytes are copied
-SIZES = {"parameters": ROWS, "copy": PARAM_BYTES // 4 + 1}
+#: than ``param_bytes()`` bytes are copied
+SIZES = {"parameters": ROWS, "copy": param_bytes() // 4 + 1}
 
 
 def _busy_gpu(ms: float) -> None:

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machines
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)
 
+#: sizes on both sides of each parameters limit (4,088 and 8,184 bytes) and far past them
 SHAPES = [((1,), torch.int8), ((3,), torch.float16), ((9,), torch.int32), ((1000,), torch.int64),
-          ((70_001,), torch.int32), ((4, 5), torch.bool), ((7,), torch.float64)]
+          ((70_001,), torch.int32), ((4, 5), torch.bool), ((7,), torch.float64), ((1022,), torch.int32),
+          ((1023,), torch.int32), ((1023,), torch.int64), ((2047,), torch.int32)]
 
 
 def _values(rng: random.Random, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -117,15 +119,15 @@ def test_replays_queued_behind_a_busy_gpu_read_their_own_values(executor: str) -
 
 
 def test_small_values_travel_in_kernel_parameters_and_writes_never_wait_for_the_gpu() -> None:
-    """A buffer of at most ``PARAM_BYTES`` reaches the device in a kernel's parameters (set at each
+    """A buffer of at most ``param_bytes()`` reaches the device in a kernel's parameters (set at each
     replay, kept by launches already queued); larger ones by a captured copy. With only the former,
     ``prepare``'s writes never wait for queued replays: the host queues them all while the GPU is
     still busy with the work before them, and each replay reads its own values."""
-    from bcg.staged.kernel import PARAM_BYTES
+    from bcg.staged.kernel import param_bytes
 
     sizes = [bcg.StagingBuffer(shape, dtype=dtype) for shape, dtype in SHAPES]
     routes = [b.in_parameters for b in sizes]
-    assert routes == [b.device.numel() * b.device.element_size() <= PARAM_BYTES for b in sizes]
+    assert routes == [b.device.numel() * b.device.element_size() <= param_bytes() for b in sizes]
     assert any(routes) and not all(routes)
 
     buffers = [bcg.StagingBuffer(9, dtype=torch.int32), bcg.StagingBuffer((2, 3), dtype=torch.float16)]

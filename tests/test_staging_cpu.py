@@ -316,3 +316,27 @@ def test_a_staging_kernel_that_cannot_be_built_is_tried_and_logged_once_per_devi
         kernel.stage_kernel.cache_clear()
     assert len([r for r in caplog.records if "staging kernel cannot be built" in r.getMessage()]) == 1
 
+
+@pytest.mark.parametrize(("driver", "nvrtc", "expected"), [
+    (12010, (12, 1), "PARAM_BYTES"), (13000, (13, 0), "PARAM_BYTES"), (12000, (12, 8), "CLASSIC_PARAM_BYTES"),
+    (12080, (12, 0), "CLASSIC_PARAM_BYTES"), (None, (12, 8), "CLASSIC_PARAM_BYTES")])
+def test_values_past_4_kib_travel_in_parameters_only_with_a_cuda_12_1_driver_and_nvrtc(
+        monkeypatch: pytest.MonkeyPatch, driver: int | None, nvrtc: tuple[int, int], expected: str) -> None:
+    """Kernel parameters past 4 KiB need a CUDA 12.1 driver and NVRTC: with an older one (or where the
+    version cannot be read: None), a value travels in parameters only up to the classic limit."""
+    from bcg.core import cudart
+    from bcg.staged import kernel
+
+    def driver_version() -> int:
+        if driver is None:
+            raise RuntimeError("no driver here")
+        return driver
+
+    monkeypatch.setattr(cudart, "driver_version", driver_version)
+    monkeypatch.setattr(cudart, "nvrtc_version", lambda: nvrtc)
+    kernel.param_bytes.cache_clear()
+    try:
+        assert kernel.param_bytes() == getattr(kernel, expected)
+    finally:
+        kernel.param_bytes.cache_clear()
+    assert kernel.CLASSIC_PARAM_BYTES == 4088 and kernel.PARAM_BYTES == 8184

@@ -330,6 +330,21 @@ def compile_cubin(source: str, name: str, arch: str, *options: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's ``(major, minor)`` version (``cuda.bindings.nvrtc``)."""
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcVersion failed: {err!r}")
+    return int(major), int(minor)
+
+
+def driver_version() -> int:
+    """The CUDA version the driver supports, as ``cuDriverGetVersion`` reports it (12010: 12.1)."""
+    return int(_driver_call("cuDriverGetVersion"))
+
+
 def load_function(image: bytes, name: str) -> int:
     """Load ``image`` (a cubin) into the current context; return its kernel ``name`` as a
     ``CUfunction`` handle. The module is never unloaded: graphs captured with the kernel

@@ -1,6 +1,6 @@
 """The staging kernel: a :class:`bcg.StagingBuffer`'s value carried in a kernel's parameters.
 
-A small buffer (up to :data:`PARAM_BYTES`) reaches the device as the by-value
+A small buffer (up to :func:`param_bytes`) reaches the device as the by-value
 parameter of a one-block kernel that stores it into the buffer's device memory.
 Captured, that kernel is a node of the segment; before each launch of the
 segment's executable the replay sets the node's parameters to the buffer's host
@@ -31,9 +31,14 @@ from bcg.errors import ReplayError
 
 log = logging.getLogger("bcg")
 
-#: The most bytes a value carried in the parameters may have: the classic 4 KiB a kernel's
-#: parameters may take, less the 8 of the destination pointer.
-PARAM_BYTES = 4096 - 8
+#: The most bytes a value carried in the parameters may have where the driver and NVRTC are
+#: CUDA 12.1 or newer (kernel parameters past 4 KiB): 8 KiB less the 8 of the destination
+#: pointer. Larger values take the copy, whose host time does not grow with the size, where
+#: setting the parameters' does (benchmarks/results/HISTORY.md, 2026-12-04, fifteenth session).
+PARAM_BYTES = 8192 - 8
+
+#: The limit with an older driver or NVRTC: the classic 4 KiB of a kernel's parameters, less the pointer.
+CLASSIC_PARAM_BYTES = 4096 - 8
 
 _SOURCE = r"""
 struct Value { unsigned long long w[{words}]; };
@@ -62,6 +67,20 @@ def _set_params() -> Any:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.cache
+def param_bytes() -> int:
+    """The most bytes a value may have to travel in the staging kernel's parameters in this
+    process: :data:`PARAM_BYTES` where the driver and NVRTC are CUDA 12.1 or newer, else
+    :data:`CLASSIC_PARAM_BYTES` (also where either version cannot be read)."""
+    try:
+        large = cudart.driver_version() >= 12010 and cudart.nvrtc_version() >= (12, 1)
+    except Exception as exc:  # no cuda-python, no driver, ...: the kernel build will say why, if it fails
+        log.debug("bcg: CUDA versions not read (%s): staged values up to %d bytes in parameters", exc,
+                  CLASSIC_PARAM_BYTES)
+        large = False
+    return PARAM_BYTES if large else CLASSIC_PARAM_BYTES
 
 
 def words_of(nbytes: int) -> int:

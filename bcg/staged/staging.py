@@ -59,7 +59,7 @@ import torch
 from bcg.core import cudart
 from bcg.core.args import check_int, fail, is_int
 from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, Recorder, live
-from bcg.staged.kernel import PARAM_BYTES, StageLaunch, stage_kernel, words_of
+from bcg.staged.kernel import StageLaunch, param_bytes, stage_kernel, words_of
 from bcg.errors import CaptureError
 
 log = logging.getLogger("bcg")
@@ -94,7 +94,8 @@ class StagingBuffer:
     float16/32/64 dtypes (the host side is written with one precompiled
     ``struct`` pack: values must be numbers of the dtype's kind, in range).
 
-    A CUDA buffer of at most ``bcg.staged.kernel.PARAM_BYTES`` (4,088) bytes reaches
+    A CUDA buffer of at most 8,184 bytes (4,088 with a driver or NVRTC older than CUDA
+    12.1: ``bcg.staged.kernel.param_bytes()``) reaches
     the device in a kernel's parameters (:attr:`in_parameters`): every replay sets
     them to the host value after ``prepare``, launches already queued keep theirs,
     and :meth:`write` never waits for the GPU. A larger one (or where the kernel
@@ -113,15 +114,15 @@ class StagingBuffer:
         device = torch.device(device)
         numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        cuda = device.type == "cuda"
+        words = words_of(nbytes)
         function = None
-        if device.type == "cuda" and 0 < nbytes <= PARAM_BYTES:
-            function = stage_kernel(device.index if device.index is not None else torch.cuda.current_device(),
-                                    words_of(nbytes))
+        if cuda and 0 < nbytes <= param_bytes():
+            function = stage_kernel(device.index if device.index is not None else torch.cuda.current_device(), words)
         self._stage: StageLaunch | None = None
         if function is not None:
             # the value travels in the staging kernel's parameters (bcg.staged.kernel): both sides
             # hold whole 8-byte words, and the host side needs no pinning
-            words = words_of(nbytes)
             device_words = torch.zeros(words * 8, dtype=torch.uint8, device=device)
             host_words = torch.zeros(words * 8, dtype=torch.uint8)
             self._device_tensor = device_words[:nbytes].view(dtype).view(shape)
@@ -129,8 +130,7 @@ class StagingBuffer:
             self._stage = StageLaunch(function, words, device_words.data_ptr(), host_words.data_ptr())
         else:
             self._device_tensor = torch.zeros(shape, dtype=dtype, device=device)
-            self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-        cuda = device.type == "cuda"
+            self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
         self._numel = self.host.numel()
         # One C call writes every value (a NumPy slice assignment runs its array
         # coercion, several times the host code, at every replay).
@@ -151,7 +151,7 @@ class StagingBuffer:
     @property
     def in_parameters(self) -> bool:
         """Whether the value reaches the device in a kernel's parameters (a CUDA buffer of at most
-        ``bcg.staged.kernel.PARAM_BYTES`` bytes where the staging kernel builds), rather than by a
+        ``bcg.staged.kernel.param_bytes()`` bytes where the staging kernel builds), rather than by a
         captured copy from pinned memory."""
         return self._stage is not None
 
