@@ -717,7 +717,8 @@ def test_a_flash_setup_refuses_a_model_cast_after_enable() -> None:
     from bcg.integrations.transformers.attention import PagedAttention
     from bcg.integrations.transformers.metadata import Staged
 
-    attention = PagedAttention(lambda *args, **kwargs: None, staged=True, kv_bounds=(64,), flash=True)
+    attention = PagedAttention(lambda *args, **kwargs: None, staged=True, kv_bounds=(64,), flash=True,
+                               staged_max_tokens=64)
     layer = torch.nn.Module()
     attention.modules[0] = layer  # (held weakly there)
     q, kv = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
@@ -774,3 +775,24 @@ def test_the_manager_streams_requests_added_while_it_runs() -> None:
         assert len(stream[-1]) == new_tokens and all(stream[-1][: len(s)] == s for s in stream), rid
     assert max(map(len, got.values())) > 1  # the tokens came in more than one result
     graphs.disable()
+
+
+def test_buckets_above_staged_max_tokens_run_a_plain_attention_and_warn_of_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Buckets above ``staged_max_tokens`` have no staged form by design: their steps run the plain
+    attention, equal to transformers, with no warning that the staged form did not fit."""
+    seed = fresh_seed()
+    model = tiny_llama(seed, vocab=VOCAB)
+    requests = prompts(seed, 12, 20, 60, VOCAB)  # prefill steps of more than 16 tokens, decode steps of fewer
+    expected = generate(model, requests, 6, **CB)
+    graphs = bcg_transformers.enable(model, staged_max_tokens=16, kv_bounds=(256, 4096))
+    try:
+        with caplog.at_level(logging.INFO, logger="bcg"):
+            assert generate(model, requests, 6, **CB) == expected
+        stats = graphs.stats()
+    finally:
+        graphs.disable()
+    assert max(stats["buckets"]) > 16 and min(stats["buckets"]) <= 16
+    runs = graphs.attention.runs
+    assert runs["staged"] > 0 and runs["plain"] > 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -137,12 +137,15 @@ class PagedAttention:
         flash: whether the staged attention runs :func:`flash_staged_attention` and plain steps
             :func:`flash_step_attention` (decided once, for the model, with :func:`flash_usable`),
             else transformers' function with a mask.
+        staged_max_tokens: forwards of more rows (buckets) call a plain breakpoint only.
     """
 
-    def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...], flash: bool) -> None:
+    def __init__(self, base: Callable[..., Any], staged: bool, kv_bounds: tuple[int, ...], flash: bool,
+                 staged_max_tokens: int) -> None:
         self.base = base
         self.kv_bounds = kv_bounds
         self.flash = flash
+        self.staged_max_tokens = staged_max_tokens
         self.indices: StaticIndices | None = None  # the current CB session's buffers (staged)
         # (weakly: transformers' attention registry keeps this object after the model is gone)
         self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -153,9 +156,14 @@ class PagedAttention:
         #: replay, warm-ups, captures and replays of the breakable form.
         self.runs: collections.Counter[str] = collections.Counter()
         kwargs: dict[str, Any] = {"name": "transformers_paged_attention", "mutates": ("out",)}
-        if staged:
-            kwargs.update(prepare=self.prepare, fits=self.fits)
-        self.attend = bcg.breakpoint(self._attend, **kwargs)
+        self.attend_plain = bcg.breakpoint(self._attend, **kwargs)
+        self.attend = bcg.breakpoint(self._attend, **kwargs, prepare=self.prepare, fits=self.fits) if staged \
+            else self.attend_plain
+
+    def staged_for(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows (a bucket) runs the staged attention where a step fits:
+        a CB session's static indices are set and ``rows`` is at most ``staged_max_tokens``."""
+        return self.indices is not None and rows <= self.staged_max_tokens
 
     def prepare(self, live: StepMeta | CaptureMeta) -> Staged:
         """The static tensors the inline attention reads (host only: the step's indices were
@@ -187,7 +195,7 @@ class PagedAttention:
         self.modules[layer] = module
         _, heads, rows, dim = query.shape
         out = torch.empty(1, rows, heads, dim, dtype=query.dtype, device=query.device)
-        self.attend(query, key, value, out, layer)
+        (self.attend if self.staged_for(rows) else self.attend_plain)(query, key, value, out, layer)
         return out, None
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,

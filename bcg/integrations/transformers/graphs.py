@@ -97,14 +97,14 @@ class ContinuousBatchingGraphs:
                 self.flash = False
         if staged_max_tokens is None:  # flash builds no mask: every bucket can run staged
             staged_max_tokens = 2**62 if self.flash else DEFAULT_STAGED_MAX_TOKENS
-        self.staged_max_tokens = staged_max_tokens
         # (with flash the one bound is a session's cache capacity: see _runner_for)
         bounds = () if self.flash else tuple(kv_bounds) if kv_bounds is not None else DEFAULT_KV_BOUNDS
         if self.flash and kv_bounds is not None:
             log.info("bcg: the staged attention runs flash, whose work follows each step's keys: kv_bounds %s "
                      "unused, one form per bucket reads up to the cache's capacity", tuple(kv_bounds))
         self._kv_bounds = bounds  # as asked: a session's are cut to its cache (see _runner_for)
-        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash)
+        self.attention = PagedAttention(transformers.AttentionInterface()[self.base_name], staged, bounds, self.flash,
+                                        staged_max_tokens)
         self.name = f"bcg_{self.base_name.replace('|', '_')}_{id(self):x}"
         transformers.AttentionInterface.register(self.name, self.attention)
         self._registry = transformers.AttentionInterface._global_mapping  # (for disable: see there)
@@ -143,6 +143,11 @@ class ContinuousBatchingGraphs:
         self._hooks = (model.register_forward_pre_hook(self._step_began, with_kwargs=True),
                        model.register_forward_hook(self._step_ended, with_kwargs=True))
 
+    @property
+    def staged_max_tokens(self) -> int:
+        """Buckets above it run the attention as a plain breakpoint only."""
+        return self.attention.staged_max_tokens
+
     # -- the step ----------------------------------------------------------------------------------
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,7 +175,7 @@ class ContinuousBatchingGraphs:
         if indices is not None:
             bucket = runner.bucket_for(meta.tokens)
             replays = bucket in runner.captured_buckets  # else this call captures it (eager mode too)
-            if bucket is not None and bucket <= self.staged_max_tokens and replays and meta.keys <= indices.read.numel():
+            if bucket is not None and self.attention.staged_for(bucket) and replays and meta.keys <= indices.read.numel():
                 indices.load(meta)
                 meta.loaded = True
             elif bucket is not None:
@@ -276,7 +281,7 @@ class ContinuousBatchingGraphs:
 
     def _capture_live(self, tokens: int) -> Any:
         """What bucket ``tokens``' warm-ups and captures run with: staged tiers, one per KV bound."""
-        if self.attention.indices is None or tokens > self.staged_max_tokens:
+        if not self.attention.staged_for(tokens):  # (its attention is a plain breakpoint)
             return CaptureMeta(None)
         # a step of this bucket reads at least its tokens (more than the previous bucket's): a bound
         # below the bucket would rarely hold one, so it gets no form (the last bound always does)
