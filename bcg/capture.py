@@ -98,7 +98,8 @@ class capture:  # noqa: N801 - lower-case like torch.cuda.graph; the name is the
     def __enter__(self) -> BreakableGraph:
         if self.graph.is_captured:
             raise CaptureError("this BreakableGraph already holds a capture: call graph.reset() first")
-        self._capture = Capture(self._options, StagedBreakpoints())
+        options = dataclasses.replace(self._options, generators=self.graph.generator_states)
+        self._capture = Capture(options, StagedBreakpoints())
         self._capture.__enter__()
         return self.graph
 

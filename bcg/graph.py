@@ -241,6 +241,32 @@ class BreakableGraph:
         self.source: GraphSource | None = None
         self._native: Any = None  # the replay in C (bcg._native.Replay); None: not built; False: not here
         self._retired: list[Any] = []  # native replays dropped while they ran (see _stale)
+        self._generators: list[torch.Generator] = []  # registered for the next captures
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Register a CUDA generator that code captured into this graph draws from, as
+        ``torch.cuda.CUDAGraph.register_generator_state`` does: every segment is captured with
+        it, and each replay of a segment advances it as eager code would. (The default
+        generator needs none.)
+
+        Arguments:
+            generator: a ``torch.Generator`` on the CUDA device of the capture, or the state
+                its ``graphsafe_get_state()`` returns.
+
+        .. warning::
+            Register before ``bcg.capture``: a capture uses the generators registered when
+            it begins. They stay registered after ``reset()``.
+        """
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
+            what = f"a generator on {generator.device}" if isinstance(generator, torch.Generator) else repr(generator)
+            raise TypeError(f"BreakableGraph.register_generator_state: expected a CUDA torch.Generator, got {what}")
+        if all(g is not generator for g in self._generators):
+            self._generators.append(generator)
+
+    @property
+    def generator_states(self) -> tuple[torch.Generator, ...]:
+        """The generators :meth:`register_generator_state` registered, in order."""
+        return tuple(self._generators)
 
     # -- filled by capture / make_graph / the runner ---------------------------------------
     def install(self, recording: Recording, variants: VariantPolicy | None = None) -> None:

@@ -346,6 +346,18 @@ def test_a_graph_asked_of_an_eager_runner_says_why_there_is_none() -> None:
         _runner(f, [4], mode="graph" if torch.cuda.is_available() else "eager").graph(5)
 
 
+def test_register_generator_state_takes_only_cuda_generators() -> None:
+    """As ``CUDAGraph.register_generator_state``: a CPU generator or another object is a TypeError
+    saying what it got (torch would dereference a CUDA generator it is not), and nothing is
+    registered."""
+    graph = bcg.BreakableGraph()
+    with pytest.raises(TypeError, match=r"expected a CUDA torch.Generator, got a generator on cpu"):
+        graph.register_generator_state(torch.Generator())
+    with pytest.raises(TypeError, match=r"expected a CUDA torch.Generator, got 7"):
+        graph.register_generator_state(7)  # type: ignore[arg-type]
+    assert graph.generator_states == ()
+
+
 def test_describe_says_what_a_value_is() -> None:
     assert args.describe(None) == "None"
     assert args.describe(42) == "42 (int)"

@@ -442,6 +442,52 @@ def test_graph_manual_seed_mismatch_raises(breakpoint: bool) -> None:
         previous = seed
 
 
+@bcg.breakpoint(mutates="t")
+def _noise_from(t: torch.Tensor, generator: torch.Generator) -> None:
+    """Eager at every replay: adds a fresh uniform draw from ``generator`` to ``t``."""
+    t.add_(torch.rand(t.shape, device=t.device, generator=generator))
+
+
+@BREAKPOINT
+@pytest.mark.parametrize("registered", ["generator", "graphsafe_get_state()"])
+def test_graph_custom_generator_registered(breakpoint: bool, registered: str) -> None:
+    """torch's ``register_generator_state``: draws from a generator of the user's own inside the
+    capture, registered before it (the generator or its graph-safe state), give at every replay
+    what the same calls give eagerly from the same seed (with a breakpoint that draws from it
+    eagerly in between). Unregistered, the capture raises bcg's ``CaptureError`` naming the fix,
+    and leaves CUDA clean."""
+    n = 1024
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator(device="cuda")
+
+    def fn(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.rand(n, device="cuda", generator=g)
+        if breakpoint:
+            _noise_from(a, g)
+        return a, torch.rand(n, device="cuda", generator=g) * 2
+
+    fn(gen)  # warm up
+    graph = bcg.BreakableGraph()
+    with pytest.raises(bcg.CaptureError, match=r"graph.register_generator_state\(generator\)"):
+        with bcg.capture(graph):
+            fn(gen)
+    _assert_clean()
+    graph.register_generator_state(gen.graphsafe_get_state() if registered != "generator" else gen)
+    with bcg.capture(graph):
+        a, b = fn(gen)
+    gen.manual_seed(seed)
+    reference = torch.Generator(device="cuda").manual_seed(seed)
+    draws = set()
+    for _ in range(3):
+        graph.replay()
+        ea, eb = fn(reference)
+        assert torch.equal(a, ea) and torch.equal(b, eb)
+        draws.add(float(a[0]))
+    assert len(draws) == 3  # each replay drew anew
+    with pytest.raises(TypeError, match="CUDA torch.Generator"):
+        graph.register_generator_state(torch.Generator())
+
+
 # -- several graphs, pools, memory, streams ------------------------------------------------------
 
 

@@ -130,6 +130,7 @@ class CaptureSession(Recorder):
         barrier: Callable[[], None] | None = None,
         split_staged: bool = False,
         owner: str = "a bcg graph",
+        generators: tuple[torch.Generator, ...] = (),
     ) -> None:
         super().__init__()
         self._barrier = barrier
@@ -151,7 +152,14 @@ class CaptureSession(Recorder):
         self._current: torch.cuda.CUDAGraph | None = None
         self._segment_index = 0
         self._breakpoint_index = 0
-        self._generator = torch.cuda.default_generators[device]
+        for g in generators:  # (torch's registration would take another device's generator)
+            if g.device.index is not None and g.device.index != device:
+                raise CaptureError(f"a generator registered with the graph is on {g.device}, and the capture "
+                                   f"records cuda:{device}: register the capture device's generator")
+        # registered with each segment's graph (torch registers the default generator itself)
+        self._generators = generators
+        # whose offsets tell a segment that draws random numbers (torch must replay it)
+        self._rng = (torch.cuda.default_generators[device], *generators)
         self._group_nodes: dict[str, list[Any]] = {}  # the open segment's node groups' nodes, per label
         self._staged_nodes: list[tuple[Any, Any]] = []  # the open segment's (node, StagingBuffer) pairs
         self.always_run: set[str] = set()  # labels with a block that cannot be switched off
@@ -172,6 +180,8 @@ class CaptureSession(Recorder):
     # -- segments ---------------------------------------------------------------------------
     def open_segment(self) -> None:
         graph = SegmentGraph(keep_graph=True)
+        for generator in self._generators:
+            graph.register_generator_state(generator)
         _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
         self._current = graph
         self._group_nodes = {}
@@ -212,7 +222,7 @@ class CaptureSession(Recorder):
         except BaseException:
             self.lease.keep(graph)  # never launched; freed with the capture's lease
             raise
-        offset = self._generator.get_offset()
+        offsets = [g.get_offset() for g in self._rng]
         if run:
             self._capture_run(graph)
         else:
@@ -222,7 +232,7 @@ class CaptureSession(Recorder):
             cuda_graph=graph,
             nodes=nodes,
             kernel_nodes=counts["kernel"],
-            uses_rng=self._generator.get_offset() != offset,
+            uses_rng=[g.get_offset() for g in self._rng] != offsets,
             node_groups={label: tuple(group) for label, group in self._group_nodes.items()},
             staged=tuple(self._staged_nodes),
         )
@@ -405,6 +415,8 @@ class CaptureOptions:
             (False uploads it only: outputs hold their values from the first replay).
         watch: hold the storages outside the pool that the segments read (False:
             another form of the same graph, captured from the same code, holds them).
+        generators: CUDA generators (or their ``graphsafe_get_state()``) registered with every
+            segment, as ``CUDAGraph.register_generator_state`` registers them.
         split_staged: end the segment before the first staged copy, so a replay
             prepares while the GPU runs the work before it. Only where the graph
             has, or could have, a breakable form (make_graph, the runner), whose
@@ -425,6 +437,7 @@ class CaptureOptions:
     compute_outputs: bool = True
     watch: bool = True
     split_staged: bool = False
+    generators: tuple[torch.Generator, ...] = ()
 
     def __post_init__(self) -> None:
         # (the entry points check it first, in their own name: bcg.capture.check_capture_options)
@@ -497,6 +510,7 @@ class Capture:
                 options.after_breakpoint, owns_pool=options.pool is None, inline=options.inline,
                 replay_stream=self._ambient,
                 barrier=options.barrier, split_staged=options.split_staged, owner=_owner(),
+                generators=options.generators,
             )
         except BaseException:
             self._capturing.__exit__(None, None, None)
@@ -627,6 +641,9 @@ class Capture:
 
 _CLEAN = "The capture was abandoned; CUDA state is clean."
 
+#: torch's error for a draw, inside a capture, from a generator the graph does not know
+_UNREGISTERED_GENERATOR = "Attempt to increase offset for a CUDA generator not in capture mode"
+
 
 def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseException:
     """The error to raise for ``exc``, which ended a capture: CUDA's cause, told apart and explained."""
@@ -636,6 +653,14 @@ def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseE
     where = user_line(traceback.extract_tb(exc.__traceback__))
     at = f" at {where}" if where else ""
     segment = f"graph segment {session._segment_index}"
+    if _UNREGISTERED_GENERATOR in text:
+        return CaptureError(
+            f"{segment} drew random numbers{at} from a CUDA generator that is not registered with the "
+            f"graph: {exc}\nWith bcg.capture, call graph.register_generator_state(generator) before the "
+            "capture, as with torch.cuda.CUDAGraph. bcg.make_graph and bcg.GraphRunner capture with the "
+            "default generator only: draw from it there, or from your generator inside a breakpoint. "
+            f"{_CLEAN}"
+        )
     if any(h in text for h in _UNCAPTURED_DEPENDENCY):
         streams = _streams_in(exc.__traceback__, session.stream_handle)
         named = f" (stream {', '.join(streams)})" if streams else ""
