@@ -247,3 +247,30 @@ def test_staged_tiers_share_the_buffer_and_replays_stay_bit_identical() -> None:
         assert torch.equal(y, _eager(block, x, meta)), f"call {i}: lengths={meta.lengths}"
     assert runner.stats()["tier_replays"] > 0 and runner.stats()["staged_fallbacks"]
     runner.reset()
+
+
+@pytest.mark.parametrize("nbytes", [16, 64_000], ids=["parameters", "copy"])
+def test_a_staging_buffer_made_inside_a_capture_is_refused_and_the_capture_unwinds(nbytes: int) -> None:
+    """Its memory would come from the graph's pool (freed with the graph while the buffer lives),
+    and its kernel's module would load during the capture: a CaptureError says to create it
+    before, no stream stays capturing, and a buffer made afterwards carries its values in."""
+    x = torch.randn(8, device="cuda")
+    x * 2  # warm up
+    with pytest.raises(bcg.CaptureError, match="create staging buffers before capturing"):
+        with bcg.capture(bcg.BreakableGraph()):
+            x * 2  # a segment's work before it
+            bcg.StagingBuffer(nbytes // 4, dtype=torch.int32)
+    assert not torch.cuda.is_current_stream_capturing()
+    buffer = bcg.StagingBuffer(nbytes // 4, dtype=torch.int32)
+    values = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
+
+    @bcg.breakpoint(name="read_made_after", mutates=("out",), prepare=lambda v: (buffer.write(v), buffer.device)[1],
+                    fits=lambda v: True)
+    def read(out: torch.Tensor) -> None:
+        out.copy_(bcg.live())
+
+    out = torch.zeros(nbytes // 4, dtype=torch.int32, device="cuda")
+    graph = bcg.make_graph(lambda o: (read(o), o + 0)[1], out, live=values)
+    fresh = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
+    result = graph.replay(live=fresh)
+    assert torch.equal(result.cpu(), fresh)

@@ -105,6 +105,10 @@ class StagingBuffer:
     .. warning::
         Write it only from a ``prepare`` function: bcg uploads what ``prepare``
         wrote (captured in the graph, or eagerly in eager runs).
+
+    .. warning::
+        Create it before capturing: created inside a capture it raises
+        :class:`bcg.CaptureError`.
     """
 
     def __init__(self, shape: int | Sequence[int], dtype: torch.dtype = torch.int32, device: Any = None) -> None:
@@ -115,6 +119,12 @@ class StagingBuffer:
         numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         cuda = device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            # (its memory would come from the graph's pool and go with the graph, and building the
+            # staging kernel loads a module, which a capture may not see)
+            raise CaptureError("bcg.StagingBuffer was created inside a CUDA graph capture: create staging "
+                               "buffers before capturing (e.g. where the staged breakpoint is made), so that "
+                               "they outlive the graphs that read them")
         words = words_of(nbytes)
         function = None
         if cuda and 0 < nbytes <= param_bytes():
