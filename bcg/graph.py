@@ -28,7 +28,7 @@ from bcg.core.process import release_when_safe
 from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
 from bcg.core.storages import check_suspects
 from bcg.core.torch_internals import PROFILER_FLAG, profiler_enabled, pytree, stream_readers
-from bcg.errors import NoFormFitsError, ReplayError
+from bcg.errors import CaptureError, NoFormFitsError, ReplayError
 from bcg.keyed.variants import VariantCache, VariantPolicy
 
 _current_device, _current_stream = stream_readers()
@@ -255,11 +255,20 @@ class BreakableGraph:
 
         .. warning::
             Register before ``bcg.capture``: a capture uses the generators registered when
-            it begins. They stay registered after ``reset()``.
+            it begins, and a graph that holds a capture refuses more (``CaptureError``; graphs
+            of ``bcg.make_graph`` and ``bcg.GraphRunner`` are captured when made). They stay
+            registered after ``reset()``.
         """
         if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
             what = f"a generator on {generator.device}" if isinstance(generator, torch.Generator) else repr(generator)
             raise TypeError(f"BreakableGraph.register_generator_state: expected a CUDA torch.Generator, got {what}")
+        if self.is_captured:
+            raise CaptureError(
+                "BreakableGraph.register_generator_state: this graph holds a capture already, which registered "
+                "generators do not change: register before bcg.capture (or after graph.reset()). Graphs of "
+                "bcg.make_graph and GraphRunner are captured when made: draw from the default generator there, "
+                "or from yours inside a breakpoint"
+            )
         if all(g is not generator for g in self._generators):
             self._generators.append(generator)
 

@@ -486,6 +486,56 @@ def test_graph_custom_generator_registered(breakpoint: bool, registered: str) ->
     assert len(draws) == 3  # each replay drew anew
     with pytest.raises(TypeError, match="CUDA torch.Generator"):
         graph.register_generator_state(torch.Generator())
+    with pytest.raises(bcg.CaptureError, match="holds a capture already"):
+        graph.register_generator_state(torch.Generator(device="cuda"))
+    assert len(graph.generator_states) == 1  # (the refused one is not kept)
+
+
+def test_a_refused_segment_capture_leaves_registered_generators_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment whose ``capture_begin`` fails (forced here, after torch opened the generators'
+    capture state) abandons the capture, and eager draws from a registered generator still work:
+    its capture state is closed with the default generator's."""
+    from bcg.core.pool import SegmentGraph
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    graph = bcg.BreakableGraph()
+    graph.register_generator_state(gen)
+    begin = SegmentGraph.capture_begin
+
+    def refused(self: SegmentGraph, *args: Any, **kwargs: Any) -> None:
+        begin(self, *args, **kwargs)
+        raise RuntimeError("capture_begin refused (test)")
+
+    monkeypatch.setattr(SegmentGraph, "capture_begin", refused)
+    with pytest.raises(RuntimeError, match="refused"):
+        with bcg.capture(graph):
+            torch.rand(4, device="cuda", generator=gen)
+    monkeypatch.undo()
+    assert torch.rand(4, device="cuda", generator=gen).shape == (4,)  # not left capturing
+    torch.rand(4, device="cuda")
+    _assert_clean()
+
+
+def test_the_generator_watch_sees_every_cuda_generator_an_operation_takes() -> None:
+    """``bcg.core.rng.GeneratorWatch``: the default generator, then each CUDA generator passed to a
+    random operation (by keyword or position), once; CPU generators and eager runs outside a
+    recording are not taken."""
+    from bcg.core.rng import GeneratorWatch
+
+    a, b = torch.Generator(device="cuda"), torch.Generator(device="cuda")
+    recording = [True]
+    with GeneratorWatch(torch.cuda.current_device(), recording=lambda: recording[0]) as watch:
+        torch.rand(3, device="cuda", generator=a)
+        torch.empty(8, device="cuda").uniform_(generator=a)
+        torch.multinomial(torch.ones(4, device="cuda"), 2, generator=b)
+        torch.rand(3, generator=torch.Generator())
+        recording[0] = False
+        torch.rand(3, device="cuda", generator=torch.Generator(device="cuda"))
+    assert watch.generators[0] is torch.cuda.default_generators[torch.cuda.current_device()]
+    assert watch.generators[1:] == [a, b]
+    before = watch.offsets()
+    torch.rand(3, device="cuda", generator=b)
+    assert watch.offsets() != before
 
 
 # -- several graphs, pools, memory, streams ------------------------------------------------------

@@ -152,26 +152,31 @@ class PoolLease:
         self._release()
 
 
-def begin_capture_into(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
+def begin_capture_into(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream,
+                       generators: tuple[torch.Generator, ...] = ()) -> None:
     """``graph.capture_begin(pool=pool)`` on ``stream`` (the current stream); if torch refuses, no
     capture is left open on ``stream`` and torch's RNG capture state is closed again (torch opens
-    it before it routes allocations to the pool, which is where a refused pool fails)."""
+    it before it routes allocations to the pool, which is where a refused pool fails) for the
+    default generator and ``generators`` (those registered with ``graph``)."""
     try:
         graph.capture_begin(pool=pool, capture_error_mode=mode)
     except BaseException:
         cudart.end_capture(int(stream.cuda_stream))
-        reset_rng_capture_state(stream)
+        reset_rng_capture_state(stream, generators)
         raise
 
 
-def reset_rng_capture_state(stream: torch.cuda.Stream) -> None:
-    """Close the RNG generator's capture state left open by a failed ``capture_begin``/``capture_end``.
+def reset_rng_capture_state(stream: torch.cuda.Stream, generators: tuple[torch.Generator, ...] = ()) -> None:
+    """Close the capture state of the default generator and ``generators`` left open by a failed
+    ``capture_begin``/``capture_end``.
 
-    torch marks the default generator as capturing in ``capture_begin`` and
-    unmarks it only in a successful ``capture_end``; after a failed one every
+    torch marks the generators of a graph as capturing in ``capture_begin`` and
+    unmarks them only in a successful ``capture_end``; after a failed one every
     eager random op would raise. An empty capture runs the prologue/epilogue pair.
     """
     repair = torch.cuda.CUDAGraph()
+    for generator in generators:
+        repair.register_generator_state(generator)
     with torch.cuda.stream(stream), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
         repair.capture_begin(capture_error_mode="thread_local")  # (see PoolLease: other threads go on)

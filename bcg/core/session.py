@@ -46,6 +46,7 @@ from bcg.core.pool import (
     reset_rng_capture_state,
 )
 from bcg.core.process import capture_lock, capture_stream, capturing, release_when_safe
+from bcg.core.rng import GeneratorWatch
 from bcg.core.storages import StorageWatch
 from bcg.core.torch_internals import clear_cublas_workspaces, end_allocate_to_pool
 from bcg.errors import (
@@ -152,14 +153,10 @@ class CaptureSession(Recorder):
         self._current: torch.cuda.CUDAGraph | None = None
         self._segment_index = 0
         self._breakpoint_index = 0
-        for g in generators:  # (torch's registration would take another device's generator)
-            if g.device.index is not None and g.device.index != device:
-                raise CaptureError(f"a generator registered with the graph is on {g.device}, and the capture "
-                                   f"records cuda:{device}: register the capture device's generator")
         # registered with each segment's graph (torch registers the default generator itself)
         self._generators = generators
-        # whose offsets tell a segment that draws random numbers (torch must replay it)
-        self._rng = (torch.cuda.default_generators[device], *generators)
+        # the generators segments draw from: a segment that moved one is replayed through torch
+        self.rng = GeneratorWatch(device, generators, recording=self.recording_segment)
         self._group_nodes: dict[str, list[Any]] = {}  # the open segment's node groups' nodes, per label
         self._staged_nodes: list[tuple[Any, Any]] = []  # the open segment's (node, StagingBuffer) pairs
         self.always_run: set[str] = set()  # labels with a block that cannot be switched off
@@ -182,7 +179,7 @@ class CaptureSession(Recorder):
         graph = SegmentGraph(keep_graph=True)
         for generator in self._generators:
             graph.register_generator_state(generator)
-        _begin_capture(graph, self.pool, self.capture_error_mode, self.stream)
+        _begin_capture(graph, self.pool, self.capture_error_mode, self.stream, self._generators)
         self._current = graph
         self._group_nodes = {}
         self._staged_nodes = []
@@ -222,7 +219,7 @@ class CaptureSession(Recorder):
         except BaseException:
             self.lease.keep(graph)  # never launched; freed with the capture's lease
             raise
-        offsets = [g.get_offset() for g in self._rng]
+        offsets = self.rng.offsets()
         if run:
             self._capture_run(graph)
         else:
@@ -232,7 +229,7 @@ class CaptureSession(Recorder):
             cuda_graph=graph,
             nodes=nodes,
             kernel_nodes=counts["kernel"],
-            uses_rng=[g.get_offset() for g in self._rng] != offsets,
+            uses_rng=self.rng.offsets() != offsets,
             node_groups={label: tuple(group) for label, group in self._group_nodes.items()},
             staged=tuple(self._staged_nodes),
         )
@@ -386,7 +383,7 @@ class CaptureSession(Recorder):
         if graph is not None:
             with contextlib.suppress(Exception):  # side-stream work left unjoined would fail capture_end
                 cudart.join_forked_work(self.stream_handle)
-            unwind_capture(graph, self.stream, self.device, self.pool)
+            unwind_capture(graph, self.stream, self.device, self.pool, self._generators)
             graph.reset()
         for step in self.plan:
             step.release()
@@ -485,6 +482,13 @@ class Capture:
             )
         cudart.runtime()  # fail early and clearly if cuda-python is missing
         device = torch.cuda.current_device()
+        for g in options.generators:  # (torch would register another device's generator with the graph)
+            if g.device.index is not None and g.device.index != device:
+                raise CaptureError(
+                    f"a generator registered with the graph is on {g.device}, and the capture records "
+                    f"cuda:{device}: capture on {g.device} (torch.cuda.set_device), or into a new BreakableGraph "
+                    "with the capture device's generators registered"
+                )
         stream = options.stream if options.stream is not None else capture_stream(device)
         if stream == torch.cuda.default_stream(device):
             raise CaptureError("bcg.capture cannot capture on the default stream: pass a torch.cuda.Stream()")
@@ -524,6 +528,8 @@ class Capture:
         self._watch: StorageWatch | None = session.watch if options.watch else None
         if self._watch is not None:
             self._watch.__enter__()
+        self._rng = session.rng
+        self._rng.__enter__()
         self._t0 = time.perf_counter()
         try:
             session.open_segment()
@@ -603,6 +609,7 @@ class Capture:
         """Undo ``__enter__``'s process-wide and context changes; the capture ends last (the
         capture lock is released, and frees deferred meanwhile run)."""
         try:
+            self._rng.__exit__(None, None, None)
             if self._watch is not None:
                 watch, self._watch = self._watch, None
                 watch.__exit__(None, None, None)
@@ -709,7 +716,8 @@ def _diagnose(exc: BaseException, session: CaptureSession, status: str) -> BaseE
     return exc
 
 
-def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: int, pool: PoolHandle) -> None:
+def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: int, pool: PoolHandle,
+                   generators: tuple[torch.Generator, ...] = ()) -> None:
     """End ``graph``'s capture on ``stream`` through torch's own ``capture_end``, whatever state it is in.
 
     An invalidated capture (a host sync inside a segment) makes torch's
@@ -717,7 +725,8 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
     the device and pinned-host allocators, RNG capture state). So the
     invalidated capture is discarded and an empty one re-armed on the same
     stream: torch's ``capture_end`` then succeeds and unwinds everything, and
-    ``reset()`` drops the pool counts as after any capture.
+    ``reset()`` drops the pool counts as after any capture. ``generators``: those
+    registered with ``graph`` (their capture state is closed too).
     """
     handle = int(stream.cuda_stream)
     for attempt in (1, 2):
@@ -737,10 +746,11 @@ def unwind_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, devic
             cudart.end_capture(handle)
             with contextlib.suppress(RuntimeError):
                 end_allocate_to_pool(device, pool)
-            reset_rng_capture_state(stream)
+            reset_rng_capture_state(stream, generators)
 
 
-def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream) -> None:
+def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, stream: torch.cuda.Stream,
+                   generators: tuple[torch.Generator, ...] = ()) -> None:
     """``graph.capture_begin`` on ``stream`` (the current stream), cleaned up if it fails (see
     :func:`bcg.core.pool.begin_capture_into`).
 
@@ -748,7 +758,7 @@ def _begin_capture(graph: torch.cuda.CUDAGraph, pool: PoolHandle, mode: str, str
     matmuls allocate theirs inside the capture, in the graph's own pool
     (see :func:`bcg.core.torch_internals.clear_cublas_workspaces`)."""
     clear_cublas_workspaces()
-    begin_capture_into(graph, pool, mode, stream)
+    begin_capture_into(graph, pool, mode, stream, generators)
 
 
 def _owner() -> str:
@@ -767,13 +777,14 @@ def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
 
 
 def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
-                 graph_pool: PoolHandle | None = None) -> tuple[torch.cuda.CUDAGraph, int, StorageWatch]:
+                 graph_pool: PoolHandle | None = None) -> tuple[torch.cuda.CUDAGraph, int, StorageWatch, GeneratorWatch]:
     """Capture ``fn()`` alone into a new ``torch.cuda.CUDAGraph(keep_graph=True)`` in ``pool``.
 
-    Returns ``(graph, nodes, watch)``: the graph instantiated when ``nodes`` >
+    Returns ``(graph, nodes, watch, rng)``: the graph instantiated when ``nodes`` >
     0, never run (its first launch uploads it on the stream that launches it),
-    and the :class:`~bcg.core.storages.StorageWatch` of the storages it read outside
-    ``pool`` and ``graph_pool``. Captured in ``"thread_local"`` mode (other
+    the :class:`~bcg.core.storages.StorageWatch` of the storages it read outside
+    ``pool`` and ``graph_pool``, and the :class:`~bcg.core.rng.GeneratorWatch` of
+    the generators it may draw from. Captured in ``"thread_local"`` mode (other
     threads' CUDA calls neither break it nor are refused) on bcg's capture
     stream of ``device``, holding the capture lock. On any failure the capture
     is unwound (no stream left capturing, RNG and allocator state closed), the
@@ -786,11 +797,12 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
         pools = [pool] if graph_pool is None else [pool, graph_pool]
         segment_map = SegmentMap(pools)
         watch = StorageWatch(segment_map.external, recording=lambda: True, writers=segment_map.writers)
+        rng = GeneratorWatch(device)
         try:
             with torch.cuda.stream(stream):
                 _begin_capture(graph, pool, "thread_local", stream)
                 try:
-                    with watch:
+                    with watch, rng:
                         fn()
                     _end_capture(graph)
                 except BaseException:
@@ -802,7 +814,7 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
         nodes = sum(cudart.node_type_counts(int(graph.raw_cuda_graph())).values())
         if nodes:
             graph.instantiate()
-    return graph, nodes, watch
+    return graph, nodes, watch, rng
 
 
 def _streams_in(tb: TracebackType | None, capture_handle: int) -> list[str]:

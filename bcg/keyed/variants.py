@@ -240,6 +240,7 @@ class Variant:
     nodes: int
     uses_rng: bool | None = None  # learnt at the first launch, which goes through torch
     held: HeldStorages | None = None
+    generators: tuple[torch.Generator, ...] = ()  # whose offsets tell uses_rng (bcg.core.rng)
     _free: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -500,13 +501,14 @@ class VariantCache:
         before = torch.cuda.memory_reserved(self.device)
         try:
             with _WatchLiveTensors(storages) if storages else contextlib.nullcontext():
-                graph, nodes, watch = capture_call(step.eager_launch, entry.pool, self.device, self.graph_pool)
+                graph, nodes, watch, rng = capture_call(step.eager_launch, entry.pool, self.device, self.graph_pool)
         except Exception as exc:  # any refusal: the key stays eager
             self._fail(entry, exc)
             return
         held = watch.held(f"the variant of breakpoint {spec.name!r} for key {key!r}", self._suspects)
         held.set_bcg_tensors(functools.partial(breakpoint_tensors, (step,)))
-        entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None, held=held)
+        entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None, held=held,
+                                             generators=tuple(rng.generators))
         self._entries.add_bytes((spec, key), max(torch.cuda.memory_reserved(self.device) - before, 0))
         st.captures += 1
 
@@ -654,12 +656,9 @@ class StepVariants:
         if variant.uses_rng is None or variant.uses_rng:
             # through torch: it advances the generator for a variant that draws random numbers;
             # the first launch tells whether this one does
-            device = self.cache.device
-            assert device is not None
-            generator = torch.cuda.default_generators[device]
-            offset = generator.get_offset()
+            offsets = [g.get_offset() for g in variant.generators]
             variant.graph.replay()
-            variant.uses_rng = generator.get_offset() != offset
+            variant.uses_rng = [g.get_offset() for g in variant.generators] != offsets
             return
         cudart.launch(int(variant.graph.raw_cuda_graph_exec()), self._get_stream(self._get_device()))
 

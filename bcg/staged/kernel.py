@@ -89,7 +89,8 @@ def words_of(nbytes: int) -> int:
 
 
 # Devices where the kernel cannot be built, and why (process-wide, as the kernels cached per size
-# are): every size fails there alike, so it is tried and logged once per device.
+# are): every size up to the classic limit fails there alike, so it is tried and logged once per
+# device. (A larger size that fails is logged, and leaves the smaller ones to be tried.)
 _UNBUILDABLE: dict[int, str] = {}
 
 
@@ -115,6 +116,11 @@ def stage_kernel(device: int, words: int) -> int | None:
                   (time.perf_counter() - start) * 1e3)
         return function
     except Exception as exc:  # no NVRTC library, an architecture it does not know, an old driver, ...
+        if words * 8 > CLASSIC_PARAM_BYTES:  # (parameters past 4 KiB: smaller values may still build)
+            log.warning("bcg: the staging kernel for %d bytes cannot be built on cuda:%d (%s: %s): StagingBuffers "
+                        "of that size take the captured copy from pinned memory instead", words * 8, device,
+                        type(exc).__name__, exc)
+            return None
         _UNBUILDABLE[device] = f"{type(exc).__name__}: {exc}"
         log.warning("bcg: the staging kernel cannot be built on cuda:%d (%s): small StagingBuffers take the "
                     "captured copy from pinned memory instead, which costs each replay more host and GPU time",
