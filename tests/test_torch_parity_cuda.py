@@ -516,26 +516,33 @@ def test_a_refused_segment_capture_leaves_registered_generators_usable(monkeypat
     _assert_clean()
 
 
-def test_the_generator_watch_sees_every_cuda_generator_an_operation_takes() -> None:
-    """``bcg.core.rng.GeneratorWatch``: the default generator, then each CUDA generator passed to a
-    random operation (by keyword or position), once; CPU generators and eager runs outside a
-    recording are not taken."""
+def test_the_generator_watch_tells_work_that_draws_random_numbers() -> None:
+    """``bcg.core.rng.GeneratorWatch``: a recorded operation that takes a CUDA generator (by keyword
+    or position) draws; one taking a CPU generator, or run while not recording, does not; a run that
+    moves the default generator draws."""
     from bcg.core.rng import GeneratorWatch
 
-    a, b = torch.Generator(device="cuda"), torch.Generator(device="cuda")
+    device = torch.cuda.current_device()
     recording = [True]
-    with GeneratorWatch(torch.cuda.current_device(), recording=lambda: recording[0]) as watch:
-        torch.rand(3, device="cuda", generator=a)
-        torch.empty(8, device="cuda").uniform_(generator=a)
-        torch.multinomial(torch.ones(4, device="cuda"), 2, generator=b)
+    watch = GeneratorWatch(device, recording=lambda: recording[0])
+    with watch:
         torch.rand(3, generator=torch.Generator())
+        torch.ones(3, device="cuda") * 2
         recording[0] = False
         torch.rand(3, device="cuda", generator=torch.Generator(device="cuda"))
-    assert watch.generators[0] is torch.cuda.default_generators[torch.cuda.current_device()]
-    assert watch.generators[1:] == [a, b]
+    assert not watch.took
     before = watch.offsets()
-    torch.rand(3, device="cuda", generator=b)
-    assert watch.offsets() != before
+    assert not watch.moved(before)
+    torch.rand(3, device="cuda")  # the default generator
+    assert watch.moved(before)
+    for draw in (lambda g: torch.rand(3, device="cuda", generator=g),
+                 lambda g: torch.empty(8, device="cuda").uniform_(generator=g),
+                 lambda g: torch.multinomial(torch.ones(4, device="cuda"), 2, generator=g)):
+        watch.reset()
+        recording[0] = True
+        with watch:
+            draw(torch.Generator(device="cuda"))
+        assert watch.took and watch.moved(watch.offsets())
 
 
 # -- several graphs, pools, memory, streams ------------------------------------------------------

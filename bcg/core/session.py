@@ -180,6 +180,7 @@ class CaptureSession(Recorder):
         for generator in self._generators:
             graph.register_generator_state(generator)
         _begin_capture(graph, self.pool, self.capture_error_mode, self.stream, self._generators)
+        self.rng.reset()
         self._current = graph
         self._group_nodes = {}
         self._staged_nodes = []
@@ -229,7 +230,7 @@ class CaptureSession(Recorder):
             cuda_graph=graph,
             nodes=nodes,
             kernel_nodes=counts["kernel"],
-            uses_rng=self.rng.offsets() != offsets,
+            uses_rng=self.rng.moved(offsets),
             node_groups={label: tuple(group) for label, group in self._group_nodes.items()},
             staged=tuple(self._staged_nodes),
         )
@@ -783,8 +784,8 @@ def capture_call(fn: Callable[[], Any], pool: PoolHandle, device: int,
     Returns ``(graph, nodes, watch, rng)``: the graph instantiated when ``nodes`` >
     0, never run (its first launch uploads it on the stream that launches it),
     the :class:`~bcg.core.storages.StorageWatch` of the storages it read outside
-    ``pool`` and ``graph_pool``, and the :class:`~bcg.core.rng.GeneratorWatch` of
-    the generators it may draw from. Captured in ``"thread_local"`` mode (other
+    ``pool`` and ``graph_pool``, and the :class:`~bcg.core.rng.GeneratorWatch` that
+    tells whether it draws random numbers. Captured in ``"thread_local"`` mode (other
     threads' CUDA calls neither break it nor are refused) on bcg's capture
     stream of ``device``, holding the capture lock. On any failure the capture
     is unwound (no stream left capturing, RNG and allocator state closed), the

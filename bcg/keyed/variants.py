@@ -62,6 +62,7 @@ from bcg.core.torch_internals import TorchDispatchMode
 from bcg.core import cudart
 from bcg.core.args import check_bool, check_int, check_real
 from bcg.core.breakpoint import BreakpointSpec, live, tensor_leaves
+from bcg.core.rng import GeneratorWatch
 from bcg.core.session import capture_call
 from bcg.errors import VerificationError
 from bcg.keyed.lru import Lru
@@ -240,7 +241,7 @@ class Variant:
     nodes: int
     uses_rng: bool | None = None  # learnt at the first launch, which goes through torch
     held: HeldStorages | None = None
-    generators: tuple[torch.Generator, ...] = ()  # whose offsets tell uses_rng (bcg.core.rng)
+    rng: GeneratorWatch | None = None  # its capture's: the generators whose offsets tell uses_rng
     _free: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -507,8 +508,8 @@ class VariantCache:
             return
         held = watch.held(f"the variant of breakpoint {spec.name!r} for key {key!r}", self._suspects)
         held.set_bcg_tensors(functools.partial(breakpoint_tensors, (step,)))
-        entry.variants[step.index] = Variant(graph, nodes, uses_rng=False if not nodes else None, held=held,
-                                             generators=tuple(rng.generators))
+        uses_rng = True if rng.took else False if not nodes else None  # (None: its first launch tells)
+        entry.variants[step.index] = Variant(graph, nodes, uses_rng=uses_rng, held=held, rng=rng)
         self._entries.add_bytes((spec, key), max(torch.cuda.memory_reserved(self.device) - before, 0))
         st.captures += 1
 
@@ -656,9 +657,10 @@ class StepVariants:
         if variant.uses_rng is None or variant.uses_rng:
             # through torch: it advances the generator for a variant that draws random numbers;
             # the first launch tells whether this one does
-            offsets = [g.get_offset() for g in variant.generators]
+            assert variant.rng is not None
+            offsets = variant.rng.offsets()
             variant.graph.replay()
-            variant.uses_rng = [g.get_offset() for g in variant.generators] != offsets
+            variant.uses_rng = variant.rng.moved(offsets)
             return
         cudart.launch(int(variant.graph.raw_cuda_graph_exec()), self._get_stream(self._get_device()))
 
