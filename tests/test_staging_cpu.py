@@ -340,3 +340,29 @@ def test_values_past_4_kib_travel_in_parameters_only_with_a_cuda_12_1_driver_and
     finally:
         kernel.param_bytes.cache_clear()
     assert kernel.CLASSIC_PARAM_BYTES == 4088 and kernel.PARAM_BYTES == 8184
+
+
+def test_a_large_staging_kernel_that_cannot_be_built_leaves_the_small_ones_to_try(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size past the classic 4 KiB that fails to build (say, a driver that refuses large parameters)
+    is logged for its size and does not mark the device unbuildable: the next small size is still
+    tried (and here, failing too, marks it)."""
+    from bcg.core import cudart
+    from bcg.staged import kernel
+
+    def refuse(*args: object, **kwargs: object) -> bytes:
+        raise RuntimeError("no NVRTC here")
+
+    monkeypatch.setattr(cudart, "compile_cubin", refuse)
+    monkeypatch.setattr(kernel, "_UNBUILDABLE", {})
+    kernel.stage_kernel.cache_clear()
+    large = kernel.CLASSIC_PARAM_BYTES // 8 + 1
+    try:
+        with caplog.at_level("WARNING", logger="bcg"):
+            assert kernel.stage_kernel(0, large) is None
+            assert kernel._UNBUILDABLE == {}
+            assert kernel.stage_kernel(0, 1) is None
+            assert 0 in kernel._UNBUILDABLE
+    finally:
+        kernel.stage_kernel.cache_clear()
+    assert f"for {large * 8} bytes cannot be built" in caplog.text
