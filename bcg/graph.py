@@ -15,208 +15,26 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bcg.core import cudart, native
+from bcg.core import native
 from bcg.core.breakpoint import UNSET, live_variable, reset_live, set_live
-from bcg.core.plan import BreakpointStep, GraphSource, Recording, SegmentStep, Step, breakpoint_tensors
-from bcg.core.pool import PoolHandle, PoolLease, pool_bytes
+from bcg.core.plan import GraphSource, Recording, Step, breakpoint_tensors
+from bcg.core.pool import PoolHandle, PoolLease
 from bcg.core.process import release_when_safe
-from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
+from bcg.core.replay import native_parts
 from bcg.core.storages import check_suspects
-from bcg.core.torch_internals import PROFILER_FLAG, profiler_enabled, pytree, stream_readers
+from bcg.core.torch_internals import PROFILER_FLAG, stream_readers
 from bcg.errors import CaptureError, NoFormFitsError, ReplayError
-from bcg.keyed.variants import VariantCache, VariantPolicy
+from bcg.form import Form
+from bcg.graph_stats import GraphStats, describe, dump_dot, graph_stats
+from bcg.keyed.variants import VariantPolicy
 
 _current_device, _current_stream = stream_readers()
 
 log = logging.getLogger("bcg")
-
-
-@dataclass(frozen=True)
-class StagedStats:
-    """A staged graph's replays: ``breakpoints`` (the staged ones captured inline), ``replays``
-    (per staged form, in the order a replay tries them: tiers, then the inline form) and
-    ``breakable_replays`` (replays of the breakable form, by reason)."""
-
-    breakpoints: tuple[str, ...]
-    replays: tuple[int, ...]
-    breakable_replays: dict[str, int]
-
-    @property
-    def inline_replays(self) -> int:
-        return sum(self.replays)
-
-
-@dataclass(frozen=True)
-class GraphStats:
-    """What a capture produced.
-
-    ``nodes``: per segment of the graph (its first form), the kernel nodes of
-    each CUDA graph, or in eager mode the ATen operations. ``pool_bytes``: what
-    the private pool holds (a shared pool: the whole pool). ``bridge_bytes``:
-    the bridges (copies of returned tensors). ``capture_s``: every form's
-    capture. ``held_storages``: the storages outside the pool that the segments
-    read, which the graph keeps alive (see :mod:`bcg.core.storages`).
-    ``staged``: see :class:`StagedStats` (None without staged breakpoints);
-    ``keyed``: the keyed breakpoints' variants, per form (see
-    :meth:`bcg.keyed.variants.VariantCache.stats`; None without keyed breakpoints).
-    """
-
-    mode: str
-    segments: int
-    breakpoints: int
-    nodes: tuple[int, ...]
-    pool_bytes: int
-    bridge_bytes: int
-    capture_s: float
-    held_storages: int = 0
-    staged: StagedStats | None = None
-    keyed: dict[str, Any] | None = None
-
-
-class Form:
-    """One captured form of a graph: its plan, how it launches, and the staged breakpoints a
-    replay asks and prepares first (``staged_breakpoints`` None: it takes any live metadata).
-
-    Built by :meth:`BreakableGraph.install` and :meth:`BreakableGraph.add_form`.
-    """
-
-    def __init__(self, recording: Recording, name: str, outputs: Any, policy: VariantPolicy | None,
-                 suspects: list[Any], graph_pool: PoolHandle | None) -> None:
-        self.name = name
-        self.breakable = name == "breakable"
-        self.recording = recording
-        self.plan: tuple[Step, ...] = tuple(recording.plan)
-        self.outputs = outputs
-        graph_mode = recording.mode == "graph"
-        staged = recording.staged_breakpoints
-        self.staged_breakpoints = staged if graph_mode and staged else None  # eager mode: its rerun decides
-        self.variants: VariantCache | None = None
-        if any(isinstance(s, BreakpointStep) and s.spec.key is not None for s in self.plan):
-            # attaches itself to the keyed steps (graph mode) before the executor reads them
-            self.variants = VariantCache(self.plan, recording.device if graph_mode else None,
-                                         policy or VariantPolicy(), self._rebuild_executor, suspects, graph_pool)
-        self.executor: Executor | None = self._new_executor() if graph_mode else None
-        self._executors: dict[frozenset[str], Executor] = {}
-        if self.executor is not None:
-            self._executors[frozenset()] = self.executor
-        self.disabled: frozenset[str] = frozenset()  # node groups skipped now
-        self.replays = 0
-        self.on_change: Any = None  # called when the executor changes (the graph's native replay is stale)
-        self._output_copy: OutputCopy | None = None
-
-    @property
-    def segments(self) -> list[SegmentStep]:
-        return [s for s in self.plan if isinstance(s, SegmentStep)]
-
-    def misfit(self, live: Any) -> str | None:
-        """Why ``live`` does not fit this form's staged breakpoints (None: it fits)."""
-        return self.staged_breakpoints.misfit(live) if self.staged_breakpoints is not None else None
-
-    def copy_outputs_to(self, dst: Any) -> int:
-        """After a replay of this form: copy its outputs into ``dst`` (the graph's, which another
-        form wrote when captured); return how many tensors were copied."""
-        copy = self._output_copy
-        if copy is None or copy.dst is not dst or copy.src is not self.outputs:
-            copy = self._output_copy = OutputCopy(dst, self.outputs, f"the {self.name} form")
-        return copy()
-
-    def prepare(self, live: Any) -> None:
-        """Run the staged breakpoints' ``prepare`` (host writes that the launch copies in)."""
-        if self.staged_breakpoints is not None:
-            self.staged_breakpoints.prepare(live)
-
-    def run(self, live: Any, stitch: bool, device: int | None) -> None:
-        """Prepare and launch this form on the current stream (``live`` is set by the caller)."""
-        rec = self.recording
-        executor = self.executor
-        profiling = executor is not None and profiler_enabled()
-        if isinstance(executor, StagedExecutor) and not profiling:
-            executor.run(live)  # (it prepares after launching the work before the staged copies)
-            self.replays += 1
-            return
-        self.prepare(live)
-        if executor is None:
-            rec.rerun()  # type: ignore[misc]  # eager mode
-        elif profiling:
-            if self.variants is not None:
-                self.variants.begin_replay(live, stitch=False)
-            self._run_profiled()
-        elif self.variants is not None and (stitched := self.variants.begin_replay(live, stitch)) is not None:
-            cudart.launch(stitched, _current_stream(device))  # every keyed step hit: one launch
-        else:
-            executor.run()
-        self.replays += 1
-
-    def _run_profiled(self) -> None:
-        """Replay with a ``record_function`` range per step (only while a profiler runs)."""
-        for step in self.plan:
-            label = f"bcg.segment[{step.index}]" if isinstance(step, SegmentStep) else f"bcg.breakpoint:{step.name}"
-            with torch.profiler.record_function(label):
-                step.launch()
-
-    def _new_executor(self, name: str | None = None) -> Executor:
-        """An executor of the plan (``make_executor``'s ``name``). Where the staged copies begin
-        after other work (``Recording.stage_at``), it launches that work before it prepares; not
-        with keyed breakpoints (a stitched launch takes the whole plan, prepared first)."""
-        at = self.recording.stage_at
-        if at and self.variants is None:
-            return StagedExecutor(self.plan, at, self.prepare, name)
-        return make_executor(self.plan, name)
-
-    def _rebuild_executor(self) -> None:
-        """Rebuild the executor from the plan (keyed steps made plain breakpoint calls again), same kind."""
-        if self.executor is not None:
-            self._set_executor(self._new_executor(self.executor.name))
-
-    def _set_executor(self, executor: Executor) -> None:
-        self.executor = executor
-        self._executors = {self.disabled: executor}
-        if self.on_change is not None:
-            self.on_change()
-
-    def use_executor(self, name: str | None) -> None:
-        if self.executor is not None:
-            self._set_executor(self._new_executor(name))
-
-    def switch(self, disabled: frozenset[str]) -> bool:
-        """Skip the node groups ``disabled`` (all or none of a group's nodes); False for a group
-        this form cannot skip (its nodes always run)."""
-        always_run = self.recording.always_run
-        done = True
-        target = frozenset(label for label in disabled if label not in always_run)
-        if target != disabled:
-            done = False
-        if self.executor is None or target == self.disabled:
-            return done and (self.executor is not None or not disabled)
-        device = self.recording.device
-        assert device is not None
-        with torch.cuda.device(device):
-            stream = _current_stream(device)
-            try:
-                for step in self.segments:
-                    step.skip(target, stream)
-                executor = self._executors.get(target)
-                if executor is None:
-                    executor = self._executors[target] = self._new_executor(self.executor.name)
-            except BaseException:
-                for step in self.segments:  # back to the groups skipped before (built, or nodes)
-                    step.skip(self.disabled, stream)
-                raise
-        self.executor, self.disabled = executor, target
-        if self.on_change is not None:
-            self.on_change()
-        return done
-
-    def free(self) -> None:
-        """Release the form's variants, steps and pool lease (see :mod:`bcg.core.process`)."""
-        if self.variants is not None:
-            self.variants.release()
-        self.recording.release()
 
 
 class BreakableGraph:
@@ -641,31 +459,7 @@ class BreakableGraph:
     def stats(self) -> GraphStats:
         """Segments, breakpoints, per-segment work, pool and bridge bytes, capture seconds, and the
         staged and keyed sub-records."""
-        first = self._first
-        if first is None:
-            return GraphStats("graph", 0, 0, (), 0, 0, 0.0)
-        rec = first.recording
-        graph_mode = rec.mode == "graph"
-        segments = first.segments
-        breakpoints = [s for s in first.plan if isinstance(s, BreakpointStep)]
-        staged = None
-        if first.staged_breakpoints is not None:
-            staged_forms = [f for f in self._forms if f.staged_breakpoints is not None]
-            staged = StagedStats(tuple(first.staged_breakpoints.names), tuple(f.replays for f in staged_forms),
-                                 dict(self._breakable_replays))
-        keyed = {f.name: f.variants.stats() for f in self._forms if f.variants is not None} or None
-        return GraphStats(
-            mode=rec.mode,
-            segments=len(segments),
-            breakpoints=len(breakpoints),
-            nodes=tuple((s.kernel_nodes or 0) if graph_mode else s.nodes for s in segments),
-            pool_bytes=pool_bytes(rec.pool, rec.device) if graph_mode else 0,
-            bridge_bytes=sum(b.bridges.nbytes for b in breakpoints if b.bridges is not None),
-            capture_s=sum(f.recording.capture_s for f in self._forms),
-            held_storages=len(rec.held) if rec.held is not None else 0,
-            staged=staged,
-            keyed=keyed,
-        )
+        return graph_stats(self._first, self._forms, self._breakable_replays)
 
     def _not_captured_message(self) -> str:
         if self._was_reset:
@@ -723,117 +517,16 @@ class BreakableGraph:
     def describe(self) -> str:
         """A readable table of the first form's plan: step, kind, name, nodes, bridge bytes; pool
         bytes and the other forms last."""
-        rows = [("step", "kind", "name", "kernel nodes", "nodes", "bridge bytes")]
-        for i, step in enumerate(self.plan):
-            if isinstance(step, SegmentStep):
-                kernels = "-" if step.kernel_nodes is None else str(step.kernel_nodes)
-                rows.append((str(i), "segment", f"segment[{step.index}]" + (" (rng)" if step.uses_rng else ""),
-                             kernels, str(step.nodes), ""))
-            else:
-                nbytes = step.bridges.nbytes if step.bridges is not None else 0
-                rows.append((str(i), "breakpoint", step.name, "", "", str(nbytes)))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        st = self.stats()
-        lines.append(
-            f"{st.segments} segments, {st.breakpoints} breakpoints, pool {st.pool_bytes / 2**20:.2f} MiB, "
-            f"bridges {st.bridge_bytes / 2**20:.2f} MiB, captured in {st.capture_s:.3f} s ({st.mode} mode)"
-        )
-        if len(self._forms) > 1:
-            lines.append("forms, in the order a replay tries them: " + ", ".join(f.name for f in self._forms))
-        return "\n".join(lines)
+        return describe(self.plan, self.stats(), [f.name for f in self._forms])
 
     def dump_dot(self, directory: str | os.PathLike[str]) -> list[str]:
         """Write one DOT file per segment of the first form (``cudaGraphDebugDotPrint``); return their paths."""
         if self._first is None or self._first.executor is None:
             raise ReplayError("dump_dot needs a graph captured in graph mode")
-        os.makedirs(directory, exist_ok=True)
-        paths = []
-        for seg in self._first.segments:
-            path = os.path.join(os.fspath(directory), f"segment_{seg.index:03d}.dot")
-            cudart.dot_print(seg.graph_handle, path)
-            paths.append(path)
-        return paths
+        return dump_dot(self._first.segments, directory)
 
     def __repr__(self) -> str:
         state = "captured" if self.is_captured else ("reset" if self._was_reset else "empty")
         st = self.stats()
         forms = f", forms={len(self._forms)}" if len(self._forms) > 1 else ""
         return f"BreakableGraph({state}, mode={self.mode}, segments={st.segments}, breakpoints={st.breakpoints}{forms})"
-
-
-def copy_outputs_into(dst: Any, src: Any, source: str) -> int:
-    """Copy the result ``src`` (of ``source``: "an eager replay", ...) into the tensors of ``dst``;
-    return how many tensors were copied (see :class:`OutputCopy`).
-
-    Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
-    """
-    return OutputCopy(dst, src, source)()
-
-
-class OutputCopy:
-    """The copy of ``src``'s tensors into ``dst``'s, decided once for trees whose tensors stay
-    the same (a form's outputs into the graph's): call it to copy; it returns how many tensors
-    it copied.
-
-    A tensor of ``src`` that already is its ``dst`` (the same memory, shape, strides and dtype)
-    is not copied; one whose memory overlaps a tensor of ``dst`` that is written is cloned first,
-    so that no copy reads memory an earlier copy wrote.
-
-    Raises :class:`bcg.ReplayError` when the structure, a shape or a dtype differs.
-    """
-
-    __slots__ = ("dst", "src", "_pairs")
-
-    def __init__(self, dst: Any, src: Any, source: str) -> None:
-        self.dst, self.src = dst, src
-        dst_leaves, dst_spec = pytree.tree_flatten(dst)
-        src_leaves, src_spec = pytree.tree_flatten(src)
-        if dst_spec != src_spec:
-            raise ReplayError(
-                f"{source} returned {src_spec}, but the capture returned {dst_spec}; graph mode "
-                "returns the captured outputs, so the function must return the same structure every time"
-            )
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
-            if isinstance(d, torch.Tensor):
-                if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
-                    what = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-                    raise ReplayError(
-                        f"{source}: output {i} is {what} but was {tuple(d.shape)} {d.dtype} at capture; "
-                        "graph mode's outputs have the captured shapes and dtypes"
-                    )
-                if not _same_memory(d, s):
-                    pairs.append((d, s))
-        written = [_extent(d) for d, _ in pairs]
-        # (destination, source, whether the source is cloned before any copy)
-        self._pairs = [(d, s, any(_overlap(_extent(s), w) for w in written)) for d, s in pairs]
-
-    def __call__(self) -> int:
-        pairs = self._pairs
-        sources = [s.clone() if clone else s for _, s, clone in pairs]  # before any copy
-        for (d, _, _), s in zip(pairs, sources):
-            d.copy_(s)
-        return len(pairs)
-
-
-def _extent(t: torch.Tensor) -> tuple[str, int, int]:
-    """The device and the byte range ``[lo, hi)`` that ``t``'s elements span (empty: ``lo == hi``)."""
-    if t.numel() == 0:
-        return str(t.device), 0, 0
-    lo = hi = t.data_ptr()
-    for size, stride in zip(t.shape, t.stride()):
-        reach = (size - 1) * stride * t.element_size()
-        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
-    return str(t.device), lo, hi + t.element_size()
-
-
-def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
-
-def _same_memory(d: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether ``s`` and ``d`` are one tensor's memory (a copy between them would change nothing)."""
-    return (d.device == s.device and d.data_ptr() == s.data_ptr() and d.shape == s.shape and d.stride() == s.stride()
-            and d.dtype == s.dtype and d.is_conj() == s.is_conj() and d.is_neg() == s.is_neg() and d.numel() > 0)

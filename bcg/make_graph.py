@@ -19,7 +19,8 @@ from bcg.core.pool import PoolHandle
 from bcg.core.process import capture_lock, capture_stream
 from bcg.core.session import CaptureOptions
 from bcg.eager import EagerRecorder, EagerReplay
-from bcg.graph import BreakableGraph, copy_outputs_into
+from bcg.form import copy_outputs_into
+from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
 from bcg.staged.staging import StagedWarmup
 

@@ -389,7 +389,7 @@ def test_copy_outputs_into_skips_a_tensor_already_in_place_and_never_reads_what_
     """A result tensor that is its destination's memory is not copied (a staged tier whose
     outputs landed in the bucket's); sources that overlap a written destination are read
     before any copy, so swapped halves of one buffer come out swapped."""
-    from bcg.graph import OutputCopy, copy_outputs_into
+    from bcg.form import OutputCopy, copy_outputs_into
 
     dst = (torch.zeros(4), torch.zeros(3))
     fresh = torch.randn(3)

@@ -213,3 +213,14 @@ def test_examples_use_only_the_public_api() -> None:
             bad += [f"{path.name}:{node.lineno}: {n}" for n in names
                     if n.split(".")[0] == "bcg" and n not in _PUBLIC_MODULES]
     assert not bad, "examples import internal bcg modules:\n" + "\n".join(bad)
+
+
+def test_no_class_holds_two_jobs() -> None:
+    """A class over 500 lines holds two jobs (the developers' guide): none in the package does."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None \
+                    and node.end_lineno - node.lineno + 1 > 500:
+                long.append(f"{path.relative_to(ROOT.parent)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

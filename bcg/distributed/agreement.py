@@ -40,21 +40,30 @@ from bcg.errors import CaptureError, ReplayError, add_note
 log = logging.getLogger("bcg")
 
 
-def replay_choice(ranks: RankAgreement, graph: Any, form: int, live: Any) -> tuple[int, bool]:
-    """``(form, stitch)`` for one replay of ``graph`` (a :class:`bcg.BreakableGraph`), the same on
-    every rank: the most general form any rank chose (``form``: this rank's; forms are tried in
-    order, so a later one takes whatever an earlier one does), stitched only where every rank
-    would stitch it (a rank whose first build of an executable the driver refuses still replays
-    piecewise: the same collectives in the same order). One all-reduce when the graph has several
-    forms or keyed breakpoints."""
-    forms = len(graph.forms)
+def replay_on_ranks(ranks: RankAgreement, graph: Any, live: Any) -> int:
+    """Replay ``graph`` (a :class:`bcg.BreakableGraph`) in one form on every rank; return that form.
+
+    Every call agreeing (``same_inputs=False``): the most general form any rank chose (forms are
+    tried in order, so a later one takes whatever an earlier one does), stitched only where every
+    rank would stitch it (a rank whose first build of an executable the driver refuses still
+    replays piecewise: the same collectives in the same order). One all-reduce when the graph has
+    several forms or keyed breakpoints. With ``same_inputs=True`` each rank chooses alone
+    (:func:`checked_call` checks it afterwards), but a keyed graph still agrees on stitching:
+    variant caches are each rank's own."""
+    form = graph.choose(live)
+    stitch = True
     keyed = graph.keyed
-    if forms == 1 and not keyed:
-        return form, True
-    values = [form] + ([int(not graph.would_stitch(k, live)) for k in range(forms)] if keyed else [])
-    agreed = ranks.max(values)
-    form = agreed[0]
-    return form, not (keyed and agreed[1 + form])
+    if not ranks.same_inputs:
+        forms = len(graph.forms)
+        if forms > 1 or keyed:
+            values = [form] + ([int(not graph.would_stitch(k, live)) for k in range(forms)] if keyed else [])
+            agreed = ranks.max(values)
+            form = agreed[0]
+            stitch = not (keyed and agreed[1 + form])
+    elif keyed:
+        stitch = ranks.all(graph.would_stitch(form, live))
+    graph.replay_form(form, live, stitch=stitch)
+    return form
 
 
 def checked_call(ranks: RankAgreement, call: Callable[[dict[str, int]], Any], raised: dict[str, int]) -> Any:

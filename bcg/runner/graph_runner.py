@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from bcg.core.breakpoint import UNSET, live_scope, recording
+from bcg.core.breakpoint import UNSET, live_scope
 from bcg.core.debug import Debug
 from bcg.core.pool import PoolHandle
 from bcg.core.process import release_when_safe
 from bcg.core.torch_internals import pytree, stream_readers
-from bcg.distributed.agreement import RankAgreement, checked_call, replay_choice
+from bcg.distributed.agreement import RankAgreement, checked_call, replay_on_ranks
 from bcg.errors import NoFormFitsError, ReplayError
 from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
@@ -292,6 +292,7 @@ class GraphRunner:
         T = handed[0] if handed is not None else check_inputs(self._inputs, inputs, self.name)
         if choice is not None:
             choice["call T"] = T
+        T_all = agree.max([T])[0] if agree is not None else T  # (every rank judges the padding alike)
         if bucket is not None:
             if bucket not in self._ladder.buckets or bucket < T:
                 raise ValueError(
@@ -299,11 +300,9 @@ class GraphRunner:
                     f"{self._ladder.sizes} at least T={T}"
                 )
             n: int | None = bucket
-            T_all = agree.max([T])[0] if agree is not None else T  # (every rank judges the padding alike)
         elif handed is not None and agree is None:
-            n, T_all = handed[1], T  # the bucket input_buffers(T) picked for T
+            n = handed[1]  # the bucket input_buffers(T) picked for T
         else:
-            T_all = agree.max([T])[0] if agree is not None else T
             n = pick_bucket(self._ladder.sizes, T_all)
         if choice is not None:
             choice["bucket"] = n or 0
@@ -354,13 +353,7 @@ class GraphRunner:
             if ranks is None:
                 graph.replay(live)
             else:
-                route = graph.choose(live)
-                stitch = True
-                if agree is not None:
-                    route, stitch = replay_choice(agree, graph, route, live)
-                elif graph.keyed:  # same inputs: stitch only where every rank would (variant caches
-                    stitch = ranks.all(graph.would_stitch(route, live))  # are per-rank state)
-                graph.replay_form(route, live, stitch=stitch)
+                route = replay_on_ranks(ranks, graph, live)
             leaves = chosen.leaves
         else:
             hook = sanitizer.hook(n)
@@ -410,10 +403,7 @@ class GraphRunner:
             with torch.no_grad(), live_scope(live):
                 out = self._forward(*inputs)
         else:
-            with self._ladder.recording(observe_at, observe=True) as recorder, recording(recorder, live), torch.no_grad():
-                out = self._forward(*inputs)
-            if recorder.failure is None:  # (else a probe run tells the capture instead)
-                self._ladder.note_out_shapes(observe_at, out)
+            out = self._ladder.run_observed(observe_at, inputs, live)
         if choice is not None:
             choice[_ROUTE] = -2 - FALLBACK_REASONS.index(reason)
         return out

@@ -28,7 +28,8 @@ from bcg.core.session import CaptureOptions
 from bcg.core.torch_internals import pytree
 from bcg.distributed.agreement import CaptureVote, RankAgreement
 from bcg.errors import CaptureError
-from bcg.graph import BreakableGraph, copy_outputs_into
+from bcg.form import copy_outputs_into
+from bcg.graph import BreakableGraph
 from bcg.keyed.variants import VariantPolicy
 from bcg.runner.inputs import InputSpec, StaticInputs
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
@@ -261,6 +262,16 @@ class Ladder:
         if generator is not None:
             self.draws_rng = bool(self.draws_rng) or generator.get_offset() != offset
         self.note_out_shapes(n, out)
+        return out
+
+    def run_observed(self, T: int, inputs: tuple[Any, ...], live: Any) -> Any:
+        """``forward(*inputs)`` eagerly on a call's own inputs of ``T`` rows, watched as a probe run
+        at size ``T`` is (which dims grow with the size, the outputs' shapes: the next capture
+        uses them) and otherwise unchanged (see :class:`CrossingRecorder`); returns its outputs."""
+        with self.recording(T, observe=True) as recorder, recording(recorder, live), torch.no_grad():
+            out = self._forward(*inputs)
+        if recorder.failure is None:  # (else a probe run tells the capture instead)
+            self.note_out_shapes(T, out)
         return out
 
     def recording(self, n: int, observe: bool) -> Any:
