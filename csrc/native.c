@@ -1385,25 +1385,34 @@ Call_call(CallObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
 {
+    /* The call lock first, if free (else Python waits for it, counted): the state read below is
+     * what captures, lazy calls and reset() change under it. */
+    PyObject *got = PyObject_CallMethodOneArg(self->lock, str_acquire, Py_False);
+    if (got == NULL)
+        return NULL;
+    int locked = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    if (locked <= 0)
+        return locked < 0 ? NULL : CALL_PYTHON();
+    PyObject *result = NULL, *views = NULL, *sliced = NULL, *py_T = NULL, *graph = NULL;
     int t;
     if ((t = attr_true(self->ladder, str_kept_own_pools)) != 0 || (t = attr_true(self->schedule, str_serving)) != 1 ||
-        (t = attr_true(bucket, str_captured)) != 1 || (t = attr_true(bucket, str_single)) != 1)
-        return t < 0 ? NULL : CALL_PYTHON();
+        (t = attr_true(bucket, str_captured)) != 1 || (t = attr_true(bucket, str_single)) != 1) {
+        if (t < 0)
+            goto done;
+        goto python;
+    }
     PyObject *failure = PyObject_GetAttr(bucket, str_failure);
     if (failure == NULL)
-        return NULL;
+        goto done;
     Py_DECREF(failure);
     if (failure != Py_None)
-        return CALL_PYTHON();
-    PyObject *graph = PyObject_GetAttr(bucket, str_graph);
+        goto python;
+    graph = PyObject_GetAttr(bucket, str_graph);
     if (graph == NULL)
-        return NULL;
-    PyObject *result = NULL, *views = NULL, *sliced = NULL, *py_T = NULL;
-    int locked = 0;
-    if (graph == Py_None) {
-        result = CALL_PYTHON();
         goto done;
-    }
+    if (graph == Py_None)
+        goto python;
     sliced = PyObject_GetAttr(bucket, str_sliced);
     if (sliced == NULL)
         goto done;
@@ -1420,18 +1429,6 @@ Call_bucket(CallObject *self, PyObject *bucket, PyObject *live, long T, long n)
         goto python; /* Python makes the views of T first */
     }
     Py_INCREF(views);
-    /* the call lock, if free (else Python waits for it, counted) */
-    PyObject *got = PyObject_CallMethodOneArg(self->lock, str_acquire, Py_False);
-    if (got == NULL)
-        goto done;
-    locked = PyObject_IsTrue(got);
-    Py_DECREF(got);
-    if (locked < 0) {
-        locked = 0;
-        goto done;
-    }
-    if (!locked)
-        goto python;
     t = views_plainly_safe(self->lock_state);
     if (t == 0) {
         PyObject *safe = PyObject_CallNoArgs(self->views_safe);
@@ -1575,7 +1572,7 @@ done:
     Py_XDECREF(views);
     Py_XDECREF(sliced);
     Py_XDECREF(py_T);
-    Py_DECREF(graph);
+    Py_XDECREF(graph);
     return result;
 }
 
