@@ -7,6 +7,7 @@ form does when chosen.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from bcg.core import cudart
 from bcg.core.plan import BreakpointStep, Recording, SegmentStep, Step
 from bcg.core.pool import PoolHandle
-from bcg.core.replay import Executor, StagedExecutor, make_executor
+from bcg.core.replay import Executor, StagedExecutor, make_executor, native_parts
 from bcg.core.torch_internals import profiler_enabled, pytree, stream_readers
 from bcg.errors import ReplayError
 from bcg.keyed.variants import VariantCache, VariantPolicy
@@ -56,6 +57,31 @@ class Form:
     @property
     def segments(self) -> list[SegmentStep]:
         return [s for s in self.plan if isinstance(s, SegmentStep)]
+
+    @property
+    def replays_natively(self) -> bool:
+        """Whether C can launch this form's plan: the native executor, no keyed breakpoints, no
+        guards or poison."""
+        rec = self.recording
+        return (self.executor is not None and self.executor.name == "native" and self.variants is None
+                and rec.guards is None and rec.poison is None)
+
+    def native_entry(self, first: Form) -> tuple[Any, ...]:
+        """This form as ``bcg._native.Replay`` takes it, in a graph whose first capture is ``first``:
+        ``(checks, head, tail, prepares, form, after, annotate_head, annotate_tail)``. Without plans
+        (a staged graph's breakable form, which counts its reasons and switches node groups, or an
+        executor C cannot split), C hands the replay to Python; ``after`` copies the outputs into
+        ``first``'s where this form has its own."""
+        parts = native_parts(self.executor)
+        staged = self.staged_breakpoints
+        if parts is None or (self.breakable and first.staged_breakpoints is not None):
+            parts = (None, None, None, None)
+        after = None
+        if self.outputs is not None and self.outputs is not first.outputs:
+            after = functools.partial(self.copy_outputs_to, first.outputs)
+        head, tail, annotate_head, annotate_tail = parts
+        return (staged.checks() if staged is not None else None, head, tail,
+                staged.prepares() if staged is not None else (), self, after, annotate_head, annotate_tail)
 
     def misfit(self, live: Any) -> str | None:
         """Why ``live`` does not fit this form's staged breakpoints (None: it fits)."""

@@ -24,7 +24,6 @@ from bcg.core.breakpoint import UNSET, live_variable, reset_live, set_live
 from bcg.core.plan import GraphSource, Recording, Step, breakpoint_tensors
 from bcg.core.pool import PoolHandle, PoolLease
 from bcg.core.process import release_when_safe
-from bcg.core.replay import native_parts
 from bcg.core.storages import check_suspects
 from bcg.core.torch_internals import PROFILER_FLAG, stream_readers
 from bcg.errors import CaptureError, NoFormFitsError, ReplayError
@@ -262,26 +261,13 @@ class BreakableGraph:
     def _build_native(self) -> Any:
         """The C replay of the forms as they are now (``bcg._native.Replay``), or False where a
         replay goes through Python: eager mode, the Python executor, ``BCG_NATIVE=0`` (read now),
-        keyed breakpoints, guards or poison, or no native extension. A form C cannot replay goes to :meth:`_replay_slow`: the
-        breakable form of a staged graph (it counts its reasons, and switches node groups)."""
+        keyed breakpoints, guards or poison, or no native extension. A form C cannot replay goes to
+        :meth:`_replay_slow`: the breakable form of a staged graph (see :meth:`Form.native_entry`)."""
         forms, first = self._forms, self._first
         if first is None or not native.enabled_by_env() or not native.available() or any(
-                f.executor is None or f.executor.name != "native" or f.variants is not None
-                or f.recording.guards is not None or f.recording.poison is not None for f in forms):
+                not f.replays_natively for f in forms):
             return False
-        entries = []
-        for form in forms:
-            parts = native_parts(form.executor)
-            staged = form.staged_breakpoints
-            if parts is None or (form.breakable and first.staged_breakpoints is not None):
-                parts = (None, None, None, None)
-            after = None
-            if form.outputs is not None and form.outputs is not first.outputs:
-                after = functools.partial(form.copy_outputs_to, first.outputs)
-            head, tail, annotate_head, annotate_tail = parts
-            entries.append((staged.checks() if staged is not None else None, head, tail,
-                            staged.prepares() if staged is not None else (), form, after, annotate_head,
-                            annotate_tail))
+        entries = [form.native_entry(first) for form in forms]
         device = first.recording.device
         assert device is not None
         # the groups every form skips: known once a set_enabled has switched them all (its answers

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import bcg
-from bcg.distributed.agreement import CaptureVote, RankAgreement
+from bcg.distributed.agreement import CaptureVote, RankAgreement, replay_on_ranks
 from tests.ranks import WORLD, run_world
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -37,6 +37,37 @@ def _votes(rank: int, fail_rank: int, fail_after: int, barriers: int) -> Any:
         outcome = vote.fail()
         return outcome, type(exc).__name__
     return outcome, None
+
+
+class _Forms:
+    """A graph of ``n`` forms as ``replay_on_ranks`` sees it: this rank's choice and whether it
+    could stitch given; records the replay it is asked for."""
+
+    def __init__(self, n: int, choice: int, keyed: bool, stitchable: bool) -> None:
+        self.forms = [object()] * n
+        self.keyed = keyed
+        self.choice, self.stitchable = choice, stitchable
+        self.replayed: tuple[int, bool] | None = None
+
+    def choose(self, live: Any) -> int:
+        return self.choice
+
+    def would_stitch(self, index: int, live: Any) -> bool:
+        return self.stitchable
+
+    def replay_form(self, index: int, live: Any, *, stitch: bool = True) -> None:
+        self.replayed = (index, stitch)
+
+
+def _replay_on_ranks(rank: int) -> Any:
+    """Rank 0 chooses form 0 and could stitch, rank 1 form 2 and could not; then one plain form."""
+    out = []
+    for same_inputs in (False, True):
+        ranks = RankAgreement(same_inputs=same_inputs)
+        keyed, plain = _Forms(3, 2 * rank, keyed=True, stitchable=rank == 0), _Forms(1, 0, keyed=False, stitchable=False)
+        for graph in (keyed, plain):
+            out.append((replay_on_ranks(ranks, graph, None), graph.replayed))
+    return out
 
 
 class _Net:
@@ -138,6 +169,16 @@ def test_capture_votes_end_together_when_a_rank_fails(fail_rank: int, fail_after
         assert outcomes == [False, False]  # every rank falls back, none hangs
         healthy = results[1 - fail_rank][1]
         assert healthy in (None, "CaptureError")
+
+
+def test_ranks_replay_one_form_and_stitch_only_where_every_rank_can() -> None:
+    results = run_world(_replay_on_ranks)
+    for rank, out in enumerate(results):
+        agreed, plain, alone, plain_alone = out
+        assert agreed == (2, (2, False))  # the most general form chosen, piecewise: rank 1 cannot stitch
+        assert plain == (0, (0, True))
+        assert alone == (2 * rank, (2 * rank, False))  # same inputs: each rank's own form, stitching agreed
+        assert plain_alone == (0, (0, True))
 
 
 def test_runner_ranks_pick_one_bucket_and_share_a_capture_failure() -> None:
