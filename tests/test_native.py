@@ -897,16 +897,31 @@ class _Graph:
         self.log.append(("replay", live))
 
 
-def _call_kit(_native, T: int = 6, **change):  # noqa: ANN001,ANN202
-    """A Call over fake runner state: bucket 8 captured, input_buffers(T) handed out, views of T made."""
+class _WatchedBucket:
+    """A bucket whose attribute reads are logged into ``reads``."""
+
+    def __init__(self, reads: list, **fields: Any) -> None:
+        object.__setattr__(self, "_reads", reads)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            object.__getattribute__(self, "_reads").append(name)
+        return object.__getattribute__(self, name)
+
+
+def _call_kit(_native, T: int = 6, reads: list | None = None, **change):  # noqa: ANN001,ANN202
+    """A Call over fake runner state: bucket 8 captured, input_buffers(T) handed out, views of T made
+    (``reads``: the bucket logs its attribute reads there)."""
     import threading
     from types import SimpleNamespace
 
     log: list = []
     inputs = (object(), object())
     out = object()
-    bucket = SimpleNamespace(captured=True, single=True, failure=None, graph=_Graph(log), sliced={T: [out]},
-                             replays=0)
+    fields = dict(captured=True, single=True, failure=None, graph=_Graph(log), sliced={T: [out]}, replays=0)
+    bucket = _WatchedBucket(reads, **fields) if reads is not None else SimpleNamespace(**fields)
     state = dict(background=0, kept=[], serving=True, device=0, stream=0x77, last=None, safe=True, ratio=-1.0)
     state.update(change)
     lock_state = SimpleNamespace(lock=threading.RLock(), background=state["background"], last_stream=state["last"],
@@ -1128,6 +1143,56 @@ def test_call_hands_back_other_inputs_and_buckets_not_ready(_native) -> None:  #
         done.set()
         thread.join()
     assert kit.log == []
+
+
+def test_call_reads_the_buckets_state_only_under_the_call_lock(_native) -> None:  # noqa: ANN001
+    """Captures, lazy calls and reset() change a bucket under the call lock: a call that cannot take
+    it reads none of its state (the Python call then waits for the lock); one that can reads it
+    under the lock, and gives the lock back on every way out."""
+    import threading
+
+    reads: list = []
+    kit = _call_kit(_native, reads=reads)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with kit.lock_state.lock:
+            held.set()
+            done.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    try:
+        assert kit.call.call(kit.inputs, None) is NotImplemented
+        assert reads == []
+    finally:
+        done.set()
+        thread.join()
+    assert kit.call.call(kit.inputs, "live") is kit.out
+    assert {"captured", "failure", "graph", "sliced"} <= set(reads) and _free_elsewhere(kit.lock_state.lock)
+    for name, value in (("captured", False), ("failure", "capture failed"), ("graph", None), ("sliced", {})):
+        kit = _call_kit(_native, reads=[])
+        object.__setattr__(kit.bucket, name, value)
+        assert kit.call.call(kit.inputs, None) is NotImplemented, name
+        assert _free_elsewhere(kit.lock_state.lock), name
+
+
+def _free_elsewhere(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (an RLock: its owner always can)."""
+    import threading
+
+    got: list = []
+
+    def take() -> None:
+        if lock.acquire(blocking=False):
+            got.append(True)
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return bool(got)
 
 
 def test_call_releases_the_lock_when_the_replay_raises(_native) -> None:  # noqa: ANN001
