@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import sys
 import weakref
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -1113,8 +1115,6 @@ def test_call_hands_back_what_it_does_not_serve_having_done_nothing(_native, cha
 
 
 def test_call_hands_back_other_inputs_and_buckets_not_ready(_native) -> None:  # noqa: ANN001
-    import threading
-
     kit = _call_kit(_native)
     assert kit.call.call((object(), kit.inputs[1]), None) is NotImplemented  # not the inputs handed out
     assert kit.call.call((kit.inputs[0], object()), None) is NotImplemented
@@ -1126,22 +1126,8 @@ def test_call_hands_back_other_inputs_and_buckets_not_ready(_native) -> None:  #
         assert kit.call.call(kit.inputs, None) is NotImplemented, name
         assert kit.log == [], name
     kit = _call_kit(_native)
-    held = threading.Event()
-    done = threading.Event()
-
-    def hold() -> None:
-        with kit.lock_state.lock:
-            held.set()
-            done.wait(5)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait(5)
-    try:
+    with _held_elsewhere(kit.lock_state.lock):
         assert kit.call.call(kit.inputs, None) is NotImplemented  # another thread calls: Python waits
-    finally:
-        done.set()
-        thread.join()
     assert kit.log == []
 
 
@@ -1149,26 +1135,11 @@ def test_call_reads_the_buckets_state_only_under_the_call_lock(_native) -> None:
     """Captures, lazy calls and reset() change a bucket under the call lock: a call that cannot take
     it reads none of its state (the Python call then waits for the lock); one that can reads it
     under the lock, and gives the lock back on every way out."""
-    import threading
-
     reads: list = []
     kit = _call_kit(_native, reads=reads)
-    held, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with kit.lock_state.lock:
-            held.set()
-            done.wait(5)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait(5)
-    try:
+    with _held_elsewhere(kit.lock_state.lock):
         assert kit.call.call(kit.inputs, None) is NotImplemented
         assert reads == []
-    finally:
-        done.set()
-        thread.join()
     assert kit.call.call(kit.inputs, "live") is kit.out
     assert {"captured", "failure", "graph", "sliced"} <= set(reads) and _free_elsewhere(kit.lock_state.lock)
     for name, value in (("captured", False), ("failure", "capture failed"), ("graph", None), ("sliced", {})):
@@ -1176,6 +1147,28 @@ def test_call_reads_the_buckets_state_only_under_the_call_lock(_native) -> None:
         object.__setattr__(kit.bucket, name, value)
         assert kit.call.call(kit.inputs, None) is NotImplemented, name
         assert _free_elsewhere(kit.lock_state.lock), name
+
+
+@contextlib.contextmanager
+def _held_elsewhere(lock: Any) -> Iterator[None]:
+    """Another thread holds ``lock`` for the block."""
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            done.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _free_elsewhere(lock: Any) -> bool:
