@@ -34,6 +34,7 @@ class Form:
                  suspects: list[Any], graph_pool: PoolHandle | None) -> None:
         self.name = name
         self.breakable = name == "breakable"
+        self.tier = name.startswith("tier")
         self.recording = recording
         self.plan: tuple[Step, ...] = tuple(recording.plan)
         self.outputs = outputs

@@ -36,6 +36,13 @@ _current_device, _current_stream = stream_readers()
 log = logging.getLogger("bcg")
 
 
+def _nothing_fits(reason: str | None) -> ReplayError:
+    return NoFormFitsError(
+        f"this replay's live metadata does not fit the graph's staged breakpoints ({reason}) and "
+        "the graph has no breakable form: use bcg.make_graph or bcg.GraphRunner, which capture one"
+    )
+
+
 class BreakableGraph:
     """Segments of CUDA graphs with eager breakpoints between them, in one or more forms.
 
@@ -137,7 +144,7 @@ class BreakableGraph:
         if tier and set(inline) != set(self.staged):
             raise ReplayError("a staged tier must capture every staged breakpoint inline (its live metadata "
                               "did not fit its own bounds)")
-        name = f"tier {sum(f.name.startswith('tier') for f in self._forms)}" if tier else "breakable"
+        name = f"tier {sum(f.tier for f in self._forms)}" if tier else "breakable"
         self._switch_done = {}  # the new form's always-run groups count in the answers
         form = Form(recording, name, outputs, self._policy, self._suspects, first.recording.pool)
         form.on_change = self._stale
@@ -155,6 +162,29 @@ class BreakableGraph:
             if self._disabled:
                 form.switch(self._disabled)
 
+    def drop_form(self, index: int) -> None:
+        """Drop form ``index``, a staged tier (the runner drops those no faster than the form after
+        them); its executables are freed once the device has run what is queued.
+
+        Raises:
+            ReplayError: it is not a staged tier, or a replay of this graph is in progress.
+        """
+        form = self._forms[index]
+        if not form.tier or self._in_replay():
+            raise ReplayError(f"drop_form drops a staged tier between replays (form {index}: {form.name}; "
+                              f"replaying now: {self._in_replay()})")
+        del self._forms[index]
+        self._switch_done = {}
+        self._stale()
+        device = form.recording.device
+
+        def free() -> None:
+            if device is not None:
+                torch.cuda.synchronize(device)  # no queued replay may still launch its executables
+            form.free()
+
+        release_when_safe(free)
+
     def hold(self, lease: PoolLease | None) -> None:
         """Keep ``lease`` (a pool lease) until ``reset()``, releasing any other one held.
 
@@ -166,36 +196,32 @@ class BreakableGraph:
         self._lease = lease
 
     # -- the choice ------------------------------------------------------------------------
-    def choose(self, live: Any = UNSET) -> int:
+    def choose(self, live: Any = UNSET, start: int = 0) -> int:
         """The index (into :attr:`forms`) of the form a replay with ``live`` runs: the first whose
         staged breakpoints all fit it, else the first without staged breakpoints.
+
+        Arguments:
+            start: the first form tried (``i + 1``: what a replay would run without form ``i``).
 
         Raises:
             NoFormFitsError: nothing fits and the graph has no breakable form.
         """
-        return self._choice(live)[0]
+        return self._choice(live, start)[0]
 
-    def _choice(self, live: Any) -> tuple[int, str | None]:
+    def _choice(self, live: Any, start: int = 0) -> tuple[int, str | None]:
         """:meth:`choose`, and why the last staged form tried did not fit (None: none was skipped)."""
         forms = self._forms
         if not forms:
             raise ReplayError(self._not_captured_message())
         reason = None
-        for i, form in enumerate(forms):
+        for i, form in enumerate(forms[start:], start):
             staged = form.staged_breakpoints
             if staged is None:
                 return i, reason
             reason = staged.misfit(live)
             if reason is None:
                 return i, None
-        raise self._nothing_fits(reason)
-
-    @staticmethod
-    def _nothing_fits(reason: str | None) -> ReplayError:
-        return NoFormFitsError(
-            f"this replay's live metadata does not fit the graph's staged breakpoints ({reason}) and "
-            "the graph has no breakable form: use bcg.make_graph or bcg.GraphRunner, which capture one"
-        )
+        raise _nothing_fits(reason)
 
     @property
     def forms(self) -> tuple[Form, ...]:
@@ -246,7 +272,7 @@ class BreakableGraph:
         if index is None:
             index, reason = self._choice(live)
         elif index < 0:
-            raise self._nothing_fits(reason)
+            raise _nothing_fits(reason)
         return self._run(index, live, True, reason)
 
     def _stale(self) -> None:

@@ -33,3 +33,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def every_tier_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged tiers timed at capture (:mod:`bcg.runner.tiers`) all time faster than the form after
+    them, so every tier is kept: for tests of what tiers do, not of which a timing keeps."""
+    import bcg.runner.tiers
+
+    monkeypatch.setattr(bcg.runner.tiers, "time_forms", lambda graph, indices, live, rounds=0: [0.0, 1.0])

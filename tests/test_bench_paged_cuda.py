@@ -95,6 +95,7 @@ def test_paged_attention_on_the_gpu_equals_dense_attention_with_nan_in_unread_pa
     assert torch.equal(out[T:], torch.zeros_like(out[T:]))
 
 
+@pytest.mark.usefixtures("every_tier_kept")  # (the tiers serve batches below)
 def test_a_decode_runner_over_batch_buckets_serves_random_steps_and_never_reads_the_trash_page() -> None:
     """50 random decode batches per bucket (1, 2, 4, 8), staged with context tiers: outputs match
     the eager forward on the padded input, the cache's real pages match eager's after every step,

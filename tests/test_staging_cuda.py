@@ -15,7 +15,7 @@ from bcg.core.plan import BreakpointStep
 from bcg.core.session import CaptureOptions
 from bcg.errors import StreamForkError
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("every_tier_kept")]  # (tests of what tiers do)
 
 if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machines
     pytest.skip("needs an NVIDIA GPU (CUDA not available)", allow_module_level=True)

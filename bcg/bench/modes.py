@@ -242,7 +242,7 @@ def _bcg_runner(
         capture_s=capture_s,
         pool_bytes=runner.stats()["pool_bytes"],
         info={**info, "executor": graph.executor, "segments": stats.segments, "breakpoints": stats.breakpoints,
-              **_held_check(graph)},
+              "forms": [f.name for f in graph.forms], **_held_check(graph)},
         close=runner.reset,
         measure=_runner_measures(runner.stats, staged=staged, keyed=keyed) if staged or keyed else None,
         host=True,

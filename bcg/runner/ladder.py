@@ -34,6 +34,7 @@ from bcg.keyed.variants import VariantPolicy
 from bcg.runner.inputs import InputSpec, StaticInputs
 from bcg.runner.pool_lock import POOL_LOCKS, PoolCallLock
 from bcg.runner.sanitizer import PADDING, CrossingRecorder, PaddingSanitizer, scaling_dims
+from bcg.runner.tiers import keep_faster_tiers
 from bcg.staged.staging import StagedTiers, StagedWarmup
 
 log = logging.getLogger("bcg")
@@ -451,13 +452,16 @@ class Ladder:
         # tiers come after: a call replays one form, so a tier may reuse that memory too, and
         # where its own outputs land there it copies nothing into them (copy_outputs_into).
         out = graph.outputs = membership.release(out)
-        for live in tier_lives:
-            self._capture_tier(graph, n, out, live, pool)
+        tier_lives = [live for live in tier_lives if self._capture_tier(graph, n, out, live, pool)]
         if self.sanitize:
             # Build the executables without the zeroing (calls with T == n replay them) now,
             # rather than at the first such call.
             graph.set_enabled(PADDING, False)
             graph.set_enabled(PADDING, True)
+        if tier_lives:  # (in capture order, as the graph holds them)
+            with self._on_capture_stream():
+                keep_faster_tiers(graph, list(zip([f for f in graph.forms if f.tier], tier_lives)),
+                                  self.ranks.all if self.ranks is not None else None)
         leaves, bucket.spec = pytree.tree_flatten(graph.outputs)
         bucket.leaves = leaves
         bucket.captured = True
@@ -497,12 +501,12 @@ class Ladder:
             return capture_into(graph, forward, options, variants=self._variants, form=form, agree=agree,
                                 release=release)
 
-    def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any, pool: PoolHandle) -> None:
+    def _capture_tier(self, graph: BreakableGraph, n: int, outputs: Any, live: Any, pool: PoolHandle) -> bool:
         """A staged tier of bucket ``n``'s graph: its forward warmed up, then captured with
         ``live``, ending with a copy of its outputs into ``outputs`` (the bucket's, as non-owning
-        aliases: what lands on them is not copied); skipped (logged) when a staged breakpoint did
-        not run inline, or a step failed. With ranks, the ranks vote through it as through a
-        bucket's capture: all keep it, or none."""
+        aliases: what lands on them is not copied); skipped (logged; returns False) when a staged
+        breakpoint did not run inline, or a step failed. With ranks, the ranks vote through it as
+        through a bucket's capture: all keep it, or none."""
         vote = CaptureVote(self.ranks) if self.ranks is not None else None
         bucket_barrier, self._barrier = self._barrier, (vote.barrier if vote is not None else None)
         try:
@@ -513,11 +517,13 @@ class Ladder:
                 self.padded_forward(n, views)  # its own warm-up: kernels at its bounds run once first
             self._capture_graph(graph, n, live, form="tier", into=outputs, pool=pool,
                                 agree=vote.finish if vote is not None else None)
+            return True
         except Exception as exc:  # the bucket's own forms serve the calls instead
             if vote is not None:
                 vote.fail()
             log.warning("bcg.GraphRunner(%s): bucket %d: a staged tier's capture failed, skipped: %s: %s",
                         self.name, n, type(exc).__name__, exc)
+            return False
         finally:
             self._barrier = bucket_barrier
 

@@ -438,7 +438,8 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
     slots, so that a small batch does not pay for empty ones. Each tier ends by
     copying its outputs into the bucket's (in the graph; not those that its
     capture placed there already), so calls return the same tensors whichever
-    form ran.
+    form ran. A tier that replays no faster than the form after it (timed at
+    capture, on its value) is dropped.
 
     Arguments:
         lives: the tiers' values, then the bucket's own (last).
@@ -449,7 +450,8 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
 
     .. warning::
         Each tier costs one more capture and executable per bucket (its
-        temporaries share the pool).
+        temporaries share the pool), and its timing: a few replays of the
+        forward on its value, with the forward's side effects.
     """
 
     breakable: bool

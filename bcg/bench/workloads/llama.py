@@ -38,7 +38,8 @@ a :class:`bcg.StagingBuffer`, and ``max_seqlen`` is bounded by the bucket size.
 Each runner bucket also keeps staged tiers (:class:`bcg.StagedTiers`) for fewer
 slots (``--slot-tiers``, default the powers of two from 2 below ``--slots``): a
 batch runs the first whose slots hold its requests, so it does not pay for
-empty slots. A batch of more requests than ``--slots`` runs the breakable form.
+empty slots (the runner keeps a tier only where it times faster than the form
+after it). A batch of more requests than ``--slots`` runs the breakable form.
 
 ``--attn decode,mixed`` run the decoder over a paged KV cache
 (:mod:`bcg.bench.workloads.paged`). ``--attn decode-loop`` runs greedy decoding:
@@ -1161,7 +1162,8 @@ def extra(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> 
         staged = out["runner_staged"] = _ladder(model, args, device, None, staged=True)
         staged["pool_ratio_to_breakable"] = staged["pool_mib_total"] / out["runner"]["pool_mib_total"]
         staged["note_staged"] = ("staged varlen attention: each bucket holds its inline form, its staged tiers "
-                                 f"({tiers_of(args)} slots) and its breakable form in the one pool; "
+                                 f"({tiers_of(args)} slots, those that timed faster) and its breakable form in "
+                                 "the one pool; "
                                  "pool_ratio_to_breakable compares with 'runner'")
     if getattr(args, "lifecycle", False) and varlen_usable(device):
         out["lifecycle"] = _lifecycle(model, args, device, staged=True)
