@@ -43,7 +43,7 @@ def test_a_tier_slower_than_the_next_form_is_dropped_and_a_faster_one_kept() -> 
     def fits(live: Live, staged: Staged) -> bool:
         return live.requests <= staged.slots
 
-    @bcg.breakpoint(mutates=("out",), prepare=prepare, fits=fits)
+    @bcg.breakpoint(name="stage", mutates=("out",), prepare=prepare, fits=fits)
     def stage(h: torch.Tensor, out: torch.Tensor) -> None:
         value = bcg.live()
         if isinstance(value, Staged):  # inline: the scale from the staging buffer, and its passes
