@@ -45,7 +45,9 @@ def keep_faster_tiers(graph: BreakableGraph, tiers: Sequence[tuple[Form, Any]],
     .. warning::
         Each tier is replayed about ``2 * ROUNDS`` times on the bucket's example inputs (more
         where one replay is short), on the current stream; other work on the device makes
-        the timing, and so the choice, noisier.
+        the timing, and so the choice, noisier. The replays go through Python: where one
+        replay's GPU work is shorter than that host path, the timing measures the host, and
+        the two forms time alike.
     """
     dropped = []
     counts = [(f, f.replays) for f in graph.forms]  # (the timing's replays are not calls)
