@@ -1,12 +1,12 @@
 """Which staged tiers a runner bucket keeps: each is timed at capture against the form its
 calls would replay without it, and dropped where it is not faster.
 
-A tier (:class:`bcg.StagedTiers`) is there for speed: its staged breakpoints are
-bounded for fewer requests. It also costs the GPU something the form after it
-does not: it ends by copying its outputs into the bucket's. Where the kernels
-gain less than that copy (small bounds, small models), the tier would make
-every call it serves slower; so it is replayed against the next form, on its
-own capture value, before any call sees it.
+A tier (:class:`bcg.StagedTiers`) is there for speed: its staged breakpoints
+have smaller bounds (fewer request slots, a shorter context). It also costs the
+GPU something the form after it does not: it ends by copying its outputs into
+the bucket's. Where the kernels gain less than that copy (small bounds, small
+models), the tier would make every call it serves slower; so it is replayed
+against the next form, on its own capture value, before any call sees it.
 """
 
 from __future__ import annotations
