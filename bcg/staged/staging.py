@@ -59,8 +59,8 @@ import torch
 from bcg.core import cudart
 from bcg.core.args import check_int, fail, is_int
 from bcg.core.breakpoint import NOT_INLINE, BreakpointSpec, Recorder, live
-from bcg.staged.kernel import StageLaunch, param_bytes, stage_kernel, words_of
 from bcg.errors import CaptureError
+from bcg.staged.kernel import StageLaunch, param_bytes, stage_kernel, words_of
 
 log = logging.getLogger("bcg")
 
