@@ -41,4 +41,4 @@ def every_tier_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     them, so every tier is kept: for tests of what tiers do, not of which a timing keeps."""
     import bcg.runner.tiers
 
-    monkeypatch.setattr(bcg.runner.tiers, "time_forms", lambda graph, indices, live, rounds=0: [0.0, 1.0])
+    monkeypatch.setattr(bcg.runner.tiers, "time_forms", lambda graph, indices, live, rounds=0: [[0.0], [1.0]])

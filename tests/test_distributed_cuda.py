@@ -75,7 +75,7 @@ def _tp_staged_same_inputs(rank: int) -> Any:
     runner whose ranks promise the same inputs: against eager TP, with no exchange before a launch."""
     llama, model, device = _tp_model(rank)
     staged = model.staged_attention(8)
-    bcg.runner.tiers.time_forms = lambda graph, indices, live, rounds=0: [0.0, 1.0]  # every tier kept
+    bcg.runner.tiers.time_forms = lambda graph, indices, live, rounds=0: [[0.0], [1.0]]  # every tier kept
 
     def forward(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return model.forward(x, pos, staged.breakpoints["flash"])

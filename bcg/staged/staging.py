@@ -438,8 +438,8 @@ class StagedTiers(tuple):  # type: ignore[type-arg]
     slots, so that a small batch does not pay for empty ones. Each tier ends by
     copying its outputs into the bucket's (in the graph; not those that its
     capture placed there already), so calls return the same tensors whichever
-    form ran. A tier that replays no faster than the form after it (timed at
-    capture, on its value) is dropped.
+    form ran. A tier that does not replay faster than the form after it in every
+    round timed at capture (on its value) is dropped.
 
     Arguments:
         lives: the tiers' values, then the bucket's own (last).
