@@ -509,7 +509,8 @@ def test_the_partition_peers_attention_op_computes_the_breakpoints_attention(att
 
 def test_captures_time_every_build_of_a_mode_in_the_same_rounds_and_rows_give_their_mean(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With captures=2 each mode is built twice and both builds are timed in every round; a row's
+    """With captures=2 each mode is built twice, in turns (the second turn in reverse order, so
+    that neither mode always takes the later memory), and both builds are timed in every round; a row's
     samples are the two builds' mean, sample by sample, its paired ratio to the floor that of the
     means, and ratio_to_floor_paired_by_capture each build's against the floor's mean. Measures,
     host times and build fields come from the first build, rel_err is the worse; all are closed."""
@@ -563,7 +564,7 @@ def test_captures_time_every_build_of_a_mode_in_the_same_rounds_and_rows_give_th
                              captures=args.captures)
     cli._finish_case(case, rows)
     by = {r["mode"]: r for r in rows}
-    assert built == ["floor/0", "floor/1", "test-runner/0", "test-runner/1"]
+    assert built == ["floor/0", "test-runner/0", "test-runner/1", "floor/1"]
     assert sorted(closed) == sorted(built) and measured == ["floor/0", "test-runner/0"]
     runner, floor = by["test-runner"], by["floor"]
     assert runner["captures"] == floor["captures"] == 2

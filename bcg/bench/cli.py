@@ -14,8 +14,8 @@ before each call, timed until the call returns: ``host_us_per_replay`` is the
 median, ``host_us_over_floor`` the median over rounds of the difference to the
 host time of ``floor`` (else ``floor-compile``: both are one ``replay()``) in the
 same round (the host's drift cancels, as in the paired ratios). A point's modes
-are freed before the next point is built. With ``--captures N``, every mode is built N times
-and a row's samples are the mean over its builds (see :func:`_measure_case`).
+are freed before the next point is built. With ``--captures N``, every mode is built N times,
+in turns, and a row's samples are the mean over its builds (see :func:`_measure_case`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ TIMING_NOTE = (
     "host_us_bcg (staged runner modes): the median over the same calls of the runner call's host time less the "
     "time in the staged breakpoint's fits and prepare, and the timer's own cost around each of them (calibrated on a "
     "no-op at start; the live metadata is built before the call); those clocks run in the host-timed calls only, "
-    "not in the timed replays; with --captures N each mode is built N times, every build timed in the same rounds, "
+    "not in the timed replays; with --captures N each mode is built N times, in turns (one build of each mode "
+    "per turn, the order reversed every other turn), every build timed in the same rounds, "
     "and a mode's samples are the mean over its builds, sample by sample"
 )
 
@@ -131,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "as here: choices made locally, checked after the launch) or 'every-call' (all-reduces "
                    "on the CPU group before every launch) (default same-inputs)")
     p.add_argument("--captures", type=positive_int, default=1, metavar="N",
-                   help="build (capture) each mode N times and time every build in the same rounds; rows give "
-                   "the mean over a mode's builds, sample by sample, so that where each capture's memory landed "
+                   help="build (capture) each mode N times, in turns, and time every build in the same rounds; "
+                   "rows give the mean over a mode's builds, sample by sample, so that where each capture's memory landed "
                    "averages out of the ratios (two captures of one forward can differ by more than a percent: "
                    "see floor-again) (default 1)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
@@ -281,7 +282,10 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
     ``captures``: each mode is built that many times (each build its own capture and pool), and
     every build is timed in the same rounds. A row's ``samples_ms`` is then the mean over its
     builds, sample by sample, so that where each capture's memory landed averages out of the
-    ratios; ``capture_samples_ms`` keeps each build's. Its first replay, build fields, measures
+    ratios; ``capture_samples_ms`` keeps each build's. The modes are built in turns, one build
+    of each per turn, the order reversed every other turn: where memory lands depends on what
+    the process allocated before, so building one mode's captures after another's would give
+    one mode the later memory at every build. Its first replay, build fields, measures
     and host times come from the first build; ``rel_err`` is the largest of all builds'.
     """
     built: dict[str, list[Built]] = {}
@@ -295,20 +299,21 @@ def _measure_case(case: Case, modes: list[str], reference: Callable[[bool | str]
             failed(mode, exc)
 
     try:
-        for mode in modes:
-            progress(f"build {mode}")
-            copies: list[Built] = []
-            built[mode] = copies
-            try:
-                for k in range(captures):
+        building = list(modes)
+        for k in range(captures):  # in turns, the order reversed every other turn (see the docstring)
+            for mode in building if k % 2 == 0 else building[::-1]:
+                progress(f"build {mode}" + (f" ({k + 1}/{captures})" if captures > 1 else ""))
+                copies = built.setdefault(mode, [])
+                try:
                     copies.append(MODES[mode].build(case, ctx))
                     ms = timed_ms(copies[-1].run, sync)
                     first.setdefault(mode, ms)
-            except NotApplicable as exc:
-                dropped.extend(built.pop(mode))
-                skipped(mode, exc)
-            except Exception as exc:  # keep going: one failing mode must not lose the run
-                drop(mode, exc)
+                except NotApplicable as exc:
+                    dropped.extend(built.pop(mode))
+                    skipped(mode, exc)
+                except Exception as exc:  # keep going: one failing mode must not lose the run
+                    drop(mode, exc)
+            building = [m for m in building if m in built]
         progress(f"time {len(built)} modes")
         stops: dict[str, Callable[[], dict[str, Any]]] = {}
         for mode, copies in list(built.items()):
