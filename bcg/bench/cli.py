@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on the CPU group before every launch) (default same-inputs)")
     p.add_argument("--captures", type=positive_int, default=1, metavar="N",
                    help="build (capture) each mode N times, in turns, and time every build in the same rounds; "
-                   "rows give the mean over a mode's builds, sample by sample, so that where each capture's memory landed "
-                   "averages out of the ratios (two captures of one forward can differ by more than a percent: "
-                   "see floor-again) (default 1)")
+                   "rows give the mean over a mode's builds, sample by sample, so that where each capture's "
+                   "memory landed averages out of the ratios (two captures of one forward can differ by more "
+                   "than a percent: see floor-again) (default 1)")
     p.add_argument("--capture-warmup", type=nonnegative_int, default=1,
                    help="eager runs on the capture stream before each capture (default 1)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
